@@ -1,0 +1,5 @@
+"""`python -m ciuic_doctor ...`, the form torchrun's `-m` runs on every rank."""
+
+from ciuic_doctor.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The thin argparse front: `ciuic-doctor <command> ...`.
+
+Each sub-command is a small module in `ciuic_doctor/commands/` with `NAME`, `HELP`, `ORDER`,
+`add_arguments(parser)` and `run(args) -> int`. Those modules import only the standard library at
+module level; the measuring code (torch, pandas, matplotlib) is imported inside `run`, so
+`ciuic-doctor --help` and `ciuic-doctor memwatch` never load torch.
+
+Exit codes: 0 ok, 1 a probe found a failure (wrong results, a dead rank, a missed floor),
+2 a usage error (one line on stderr, never a traceback), 130 interrupted (records kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from types import ModuleType
+
+from ciuic_doctor import __version__
+from ciuic_doctor.errors import ProbeFailed, UserError
+
+PROG = "ciuic-doctor"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own usage errors already print one line and exit 2; keep that, add our prefix."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _command_modules() -> list[ModuleType]:
+    import ciuic_doctor.commands as package
+
+    modules = [
+        importlib.import_module(f"{package.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.name.startswith("_")
+    ]
+    return sorted(modules, key=lambda m: (m.ORDER, m.NAME))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description=(
+            "Measure a distributed PyTorch job on its own machines, judge the measurements, and "
+            "recommend settings with the evidence behind each one."
+        ),
+        epilog="Start with `ciuic-doctor checkup`; every command has its own --help.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
+    for module in _command_modules():
+        command = sub.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
+        module.add_arguments(command)
+        command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except UserError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except ProbeFailed as exc:
+        print(f"{PROG} {args.command}: FAILED: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"\n{PROG} {args.command}: interrupted; every record measured so far is kept.", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `ciuic-doctor ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""One module per sub-command (see ciuic_doctor.cli). Standard library imports only at module level."""

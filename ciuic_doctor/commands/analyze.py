@@ -1,0 +1,34 @@
+"""Turn every stream in a run directory into findings (RUN/findings.json) and print them.
+
+Exit code 1 when any check failed, so `ciuic-doctor analyze RUN && deploy` works in a script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "analyze"
+HELP = "judge every stream in a run directory; write RUN/findings.json and print the findings"
+ORDER = 60
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory written by any probe")
+    parser.add_argument("--json", action="store_true", help="print findings.json instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.analysis import run_all
+    from ciuic_doctor.findings import overall_verdict
+    from ciuic_doctor.render_text import findings_table
+    from ciuic_doctor.store import RunDir
+
+    run_dir = RunDir.open(args.run)
+    findings = run_all(run_dir)
+    if args.json:
+        print(json.dumps([f.to_dict() for f in findings], indent=2))
+    else:
+        print(findings_table(findings))
+        print(f"\nfindings written to {run_dir.path / 'findings.json'}")
+    return 1 if overall_verdict(findings) == "fail" else 0

@@ -1,0 +1,188 @@
+"""Environment capture for meta.json, and the secret redaction every output goes through.
+
+What is captured: host, OS, Python, torch / CUDA / NCCL / cuDNN versions, devices, CPU count (affinity and
+cgroup quota), the distributed world, every NCCL_* / TORCH_* / CUDA_* / PYTORCH_* (and a few more) variable,
+and the NCCL config files (/etc/nccl.conf, ~/.nccl.conf, $NCCL_CONF_FILE), which can set NCCL_ALGO without
+it showing in os.environ (reference/collectives.md).
+
+Redaction: a variable whose name contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL keeps its name and
+loses its value; `user:password@` inside a URL becomes `<redacted>@`; and `scrub` removes the *values* of
+such variables from any text, so a secret echoed into a log line cannot reach a run directory either.
+
+>>> redact_env({"HF_TOKEN": "hf_abc", "NCCL_ALGO": "Ring"})
+{'HF_TOKEN': '<redacted>', 'NCCL_ALGO': 'Ring'}
+>>> redact_url("https://bob:hunter2@example.com/x")
+'https://<redacted>@example.com/x'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import os
+import platform
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+REDACTED = "<redacted>"
+SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+CAPTURED_PREFIXES = ("NCCL_", "TORCH_", "CUDA_", "PYTORCH_", "OMP_", "MKL_", "GLOO_", "TORCHELASTIC_")
+CAPTURED_NAMES = (
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
+)  # fmt: skip
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+(?::[^/\s@]*)?@")
+_MIN_SECRET_LEN = 4  # shorter values ("1", "yes") would scrub ordinary text; no real secret is that short
+
+
+def is_secret_name(name: str) -> bool:
+    upper = name.upper()
+    return any(part in upper for part in SECRET_NAME_PARTS)
+
+
+def redact_url(text: str) -> str:
+    """Replace `user[:password]@` in every URL inside `text`."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+
+
+def redact_env(env: dict[str, str]) -> dict[str, str]:
+    """Secret-named variables lose their value; every other value loses URL credentials."""
+    return {k: REDACTED if is_secret_name(k) else redact_url(v) for k, v in env.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _secret_values() -> tuple[str, ...]:
+    values = {v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= _MIN_SECRET_LEN}
+    return tuple(sorted(values, key=len, reverse=True))
+
+
+def scrub(text: str) -> str:
+    """Remove secret environment values and URL credentials from any text before it is written."""
+    for value in _secret_values():
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return redact_url(text) if "@" in text else text
+
+
+def _read_conf(path: Path) -> dict[str, str] | None:
+    """NCCL conf files are `NAME=value` lines; `#` starts a comment."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    entries: dict[str, str] = {}
+    for raw_line in text.splitlines():
+        line = raw_line.split("#", 1)[0].strip()
+        if "=" in line:
+            name, value = line.split("=", 1)
+            entries[name.strip()] = value.strip()
+    return redact_env(entries)
+
+
+def nccl_conf_files() -> dict[str, dict[str, str]]:
+    candidates = [Path("/etc/nccl.conf"), Path.home() / ".nccl.conf"]
+    if os.environ.get("NCCL_CONF_FILE"):
+        candidates.append(Path(os.environ["NCCL_CONF_FILE"]))
+    found = {}
+    for path in candidates:
+        entries = _read_conf(path)
+        if entries is not None:
+            found[str(path)] = entries
+    return found
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs allowed by the cgroup (v2 `cpu.max`, else v1 cfs quota/period); None when unlimited."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        base = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((base / "cpu.cfs_quota_us").read_text())
+        period_us = int((base / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_budget() -> dict[str, Any]:
+    """CPU counts: logical, affinity (taskset/cpuset), cgroup quota, and the usable minimum."""
+    logical = os.cpu_count() or 1
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else logical
+    quota = cgroup_cpu_quota()
+    usable = min(affinity, int(quota)) if quota is not None else affinity
+    return {"logical": logical, "affinity": affinity, "cgroup_quota": quota, "usable": max(1, usable)}
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def torch_info() -> dict[str, Any]:
+    """torch / CUDA / NCCL / cuDNN versions and CUDA devices. Imports torch: call it only from a
+    process that has torch anyway (probes, job), never from the CLI front or memwatch."""
+    import torch
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nccl": None,
+        "cudnn": None,
+        "devices": [],
+    }
+    if torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError, AttributeError):
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["cudnn"] = torch.backends.cudnn.version()
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            info["devices"].append(
+                {"index": index, "name": props.name, "total_memory_bytes": props.total_memory}
+            )
+    return info
+
+
+def capture(*, with_torch: bool = True) -> dict[str, Any]:
+    """Everything meta.json records about where a run happened, secrets redacted.
+
+    `with_torch=False` reads torch's version from package metadata without importing it (memwatch).
+    """
+    env = {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(CAPTURED_PREFIXES) or k in CAPTURED_NAMES
+    }
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "cpu": cpu_budget(),
+        "world": {
+            key.lower(): int(os.environ[key])
+            for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+            if os.environ.get(key, "").isdigit()
+        },
+        "env": redact_env(env),
+        "nccl_conf": nccl_conf_files(),
+        "packages": {
+            name: _package_version(name)
+            for name in ("torch", "transformers", "numpy", "psutil", "nvidia-ml-py", "pandas")
+        },
+    }
+    if with_torch:
+        try:
+            info.update(torch_info())
+        except ImportError:
+            info["torch"] = None
+    else:
+        info["torch"] = info["packages"]["torch"]
+    return info

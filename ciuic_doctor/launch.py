@@ -1,0 +1,117 @@
+"""Run a sub-command on N local ranks through torch's own launcher, and set up a rank once inside.
+
+Outside torchrun, `comm-bench`, `job` and `checkup` call `launch_local`, which runs the same elastic agent
+torchrun runs (`torch.distributed.launcher.api.elastic_launch`, c10d rendezvous on a free local port),
+so the ranks see exactly the environment `torchrun --standalone --nproc-per-node N -m ciuic_doctor ...`
+gives them. No home-made process launcher.
+
+Inside a rank, `init_distributed` picks nccl with CUDA and gloo otherwise, and `agree_on_run_dir` makes
+every rank write into rank 0's run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ciuic_doctor.errors import ProbeFailed, UserError
+from ciuic_doctor.store import RUN_DIR_ENV
+
+
+def in_torchrun() -> bool:
+    """True inside a rank started by torchrun (or any launcher that sets the env:// variables)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launch_local(
+    nproc: int,
+    argv: list[str],
+    *,
+    run_dir: Path,
+    env: dict[str, str] | None = None,
+    max_restarts: int = 0,
+) -> None:
+    """Run `python -m ciuic_doctor <argv>` on `nproc` local ranks and wait for all of them.
+
+    Every rank gets $CIUIC_RUN_DIR=run_dir. Raises ProbeFailed naming the first rank that failed, with
+    its exit code or signal; what the ranks wrote before that stays in the run directory.
+    """
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, not {nproc}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ[RUN_DIR_ENV] = str(Path(run_dir).resolve())
+    os.environ.update(env or {})
+    # One OpenMP thread per rank unless the user says otherwise: N ranks × all cores each is the
+    # oversubscription torchrun itself warns about (it sets OMP_NUM_THREADS=1 for nproc > 1).
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "ciuic_doctor", *argv)
+    except ChildFailedError as exc:
+        raise ProbeFailed(describe_failure(exc)) from None
+
+
+def describe_failure(exc: Any) -> str:
+    """One line naming the failed rank(s), their host and exit code or signal."""
+    host = socket.gethostname()
+    parts = []
+    for rank, failure in sorted(exc.failures.items()):
+        how = (
+            f"killed by signal {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exit code {failure.exitcode}"
+        )
+        parts.append(f"rank {rank} on {host} ({how})")
+    return "ranks failed: " + "; ".join(parts) if len(parts) > 1 else f"{parts[0]} failed"
+
+
+def init_distributed(timeout_s: float) -> tuple[int, int, str]:
+    """Initialise the default process group from env:// and return (rank, world_size, backend).
+
+    nccl when CUDA is available (binding the local device eagerly), gloo otherwise.
+    """
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            kwargs.update(backend="nccl", device_id=torch.device("cuda", local_rank))
+        else:
+            kwargs.update(backend="gloo")
+        dist.init_process_group(**kwargs)
+    return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def agree_on_run_dir(path: Path) -> Path:
+    """Rank 0's choice of run directory, broadcast to every rank (timestamps differ between ranks)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return path
+    holder = [str(path)]
+    dist.broadcast_object_list(holder, src=0)
+    return Path(holder[0])

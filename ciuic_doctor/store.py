@@ -1,0 +1,287 @@
+"""The run directory: every file format of ciuic-doctor lives here and only here.
+
+    reports/<run>/meta.json            run id, created, tool version, environment, job spec, probes run
+    reports/<run>/<stream>.jsonl       one JSON object a line, appended and flushed per record
+    reports/<run>/<stream>.rank<R>.jsonl   the same, one file per rank (steps, memory of a rank)
+    reports/<run>/findings.json        analysis output (see ciuic_doctor.findings)
+
+Writers append whole lines with O_APPEND and flush each one, so a job killed with SIGKILL keeps every
+finished record and several processes can share one file. Readers skip lines that do not parse (a torn
+last line after a crash) and report how many they skipped; they never raise on bad content.
+
+Every string written here passes through `envinfo.scrub`, so the value of a secret environment
+variable cannot end up in a run directory even when a log line or an argv carries it.
+
+>>> run = RunDir.create("/tmp/ciuic-doctest-run", exist_ok=True)
+>>> with run.writer("comm") as w:
+...     w.write({"collective": "all_reduce", "bytes": 1024})
+>>> run.read("comm").records[-1]["bytes"]
+1024
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ciuic_doctor import __version__
+from ciuic_doctor.errors import UserError
+
+SCHEMA = 1
+DEFAULT_ROOT = Path("reports")
+RUN_DIR_ENV = "CIUIC_RUN_DIR"  # set by our launcher so every rank writes into the same run directory
+
+
+def _json_default(value: Any) -> Any:
+    """Serialise numpy / torch scalars and paths without importing either library."""
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _finite(value: Any) -> Any:
+    """NaN and inf are findings, not errors: keep them as strings JSON can carry ("nan", "inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps(record: Any) -> str:
+    """One JSON line, secrets scrubbed, non-finite floats as strings."""
+    from ciuic_doctor.envinfo import scrub
+
+    return scrub(json.dumps(_finite(record), default=_json_default, separators=(",", ":")))
+
+
+def as_float(value: Any) -> float | None:
+    """Read back a number written by `dumps`: "nan"/"inf" strings become floats, None stays None."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+class JsonlWriter:
+    """Append-only JSONL stream; each `write` is one `os.write` of one whole line (O_APPEND).
+
+    Adds `schema`, `t`, `host` and `rank` (when known) to records that lack them.
+    """
+
+    def __init__(self, path: Path, *, rank: int | None = None) -> None:
+        self.path = path
+        self.rank = rank
+        self.host = socket.gethostname()
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        full = {"schema": SCHEMA, "t": time.time(), "host": self.host}
+        if self.rank is not None:
+            full["rank"] = self.rank
+        full.update(record)
+        os.write(self._fd, (dumps(full) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(kw_only=True)
+class StreamRead:
+    """What a reader found: the records in file order, and how many lines it had to skip."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    skipped_lines: int = 0
+    files: list[Path] = field(default_factory=list)
+
+    def frame(self):  # -> pandas.DataFrame
+        """The records as a DataFrame (pandas imported here, not at module level)."""
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.records)
+
+
+def read_jsonl(path: Path) -> StreamRead:
+    """Read one JSONL file; a line that does not parse as a JSON object is counted and skipped."""
+    result = StreamRead(files=[path])
+    with open(path, "rb") as fh:
+        for raw in fh:
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                result.skipped_lines += 1
+                continue
+            if isinstance(record, dict):
+                result.records.append(record)
+            else:
+                result.skipped_lines += 1
+    return result
+
+
+_RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
+
+
+class RunDir:
+    """One run directory. Create with `RunDir.create`, open an existing one with `RunDir.open`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    @classmethod
+    def create(cls, path: str | Path, *, exist_ok: bool = True) -> RunDir:
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"--out {path}: exists and is not a directory")
+        try:
+            path.mkdir(parents=True, exist_ok=exist_ok)
+        except FileExistsError:
+            raise UserError(f"--out {path}: already exists") from None
+        except OSError as exc:
+            raise UserError(f"--out {path}: cannot create directory ({exc.strerror})") from None
+        return cls(path)
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        path = Path(path)
+        if not path.is_dir():
+            raise UserError(f"{path}: no such run directory")
+        return cls(path)
+
+    # ---- streams -------------------------------------------------------------------------------
+    def stream_path(self, name: str, rank: int | None = None) -> Path:
+        return self.path / (f"{name}.jsonl" if rank is None else f"{name}.rank{rank}.jsonl")
+
+    def writer(self, name: str, *, rank: int | None = None, per_rank_file: bool = False) -> JsonlWriter:
+        """A writer for stream `name`; `per_rank_file` gives each rank its own file."""
+        path = self.stream_path(name, rank if per_rank_file else None)
+        return JsonlWriter(path, rank=rank)
+
+    def stream_files(self, name: str) -> list[Path]:
+        shared = self.stream_path(name)
+        ranked = sorted(
+            self.path.glob(f"{name}.rank*.jsonl"),
+            key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
+        )
+        return ([shared] if shared.exists() else []) + ranked
+
+    def has_stream(self, name: str) -> bool:
+        return bool(self.stream_files(name))
+
+    def read(self, name: str) -> StreamRead:
+        """All records of a stream (shared file first, then per-rank files in rank order)."""
+        total = StreamRead()
+        for path in self.stream_files(name):
+            part = read_jsonl(path)
+            total.records.extend(part.records)
+            total.skipped_lines += part.skipped_lines
+            total.files.append(path)
+        return total
+
+    # ---- meta.json -----------------------------------------------------------------------------
+    @property
+    def meta_path(self) -> Path:
+        return self.path / "meta.json"
+
+    def read_meta(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.meta_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except ValueError:
+            return {"unreadable_meta": True}
+
+    @contextlib.contextmanager
+    def _meta_lock(self) -> Iterator[None]:
+        with open(self.path / ".meta.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def update_meta(self, **fields: Any) -> dict[str, Any]:
+        """Merge `fields` into meta.json under a file lock; dict values merge one level deep.
+
+        The first call also records run id, creation time and tool version.
+        """
+        with self._meta_lock():
+            meta = self.read_meta()
+            meta.setdefault("schema", SCHEMA)
+            meta.setdefault("run", self.path.name)
+            meta.setdefault("created", time.time())
+            meta.setdefault("tool", {"name": "ciuic-doctor", "version": __version__})
+            for key, value in fields.items():
+                if isinstance(value, dict) and isinstance(meta.get(key), dict):
+                    meta[key] = {**meta[key], **value}
+                else:
+                    meta[key] = value
+            self.write_text("meta.json", json.dumps(json.loads(dumps(meta)), indent=2) + "\n")
+            return meta
+
+    def record_probe(self, probe: str, **fields: Any) -> None:
+        """Note in meta.json that a probe ran here, with its argv, status and times."""
+        self.update_meta(probes={probe: {"updated": time.time(), **fields}})
+
+    # ---- whole files ---------------------------------------------------------------------------
+    def write_text(self, name: str, text: str) -> Path:
+        """Write a whole file atomically (temp file + rename), secrets scrubbed."""
+        from ciuic_doctor.envinfo import scrub
+
+        target = self.path / name
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(scrub(text))
+        os.replace(tmp, target)
+        return target
+
+    def write_json(self, name: str, data: Any) -> Path:
+        return self.write_text(name, json.dumps(json.loads(dumps(data)), indent=2) + "\n")
+
+    def read_json(self, name: str) -> Any:
+        return json.loads((self.path / name).read_text())
+
+
+def default_run_path(command: str, out: str | Path | None = None) -> Path:
+    """Where a command writes: `--out`, else $CIUIC_RUN_DIR (set for every rank by our launcher),
+    else `reports/<command>-<torchelastic run id>` under torchrun, else `reports/<time>-<command>`."""
+    if out:
+        return Path(out)
+    if os.environ.get(RUN_DIR_ENV):
+        return Path(os.environ[RUN_DIR_ENV])
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return DEFAULT_ROOT / f"{command}-{run_id}"
+    return DEFAULT_ROOT / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}"

@@ -189,7 +189,7 @@ def load_spec(path: str | Path | None = None) -> JobSpec:
 
 
 def with_updates(spec: JobSpec, updates: dict[str, Any]) -> JobSpec:
-    """A copy of `spec` with dotted keys replaced: {"dataloader.num_workers": 1, "distributed.env.NCCL_ALGO": ...}."""
+    """A copy of `spec` with dotted keys replaced, e.g. {"distributed.env.NCCL_ALGO": "allreduce:ring"}."""
     data = spec.to_dict()
     for dotted, value in updates.items():
         node = data

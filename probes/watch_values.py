@@ -1,0 +1,227 @@
+"""What `watch` reads besides the step's own scalars: memory, the cross-rank weight checksum, and the
+deferred read of device scalars (no device sync per step).
+
+Device scalars (loss, grad norm, loss scale, found-inf, checksums) stay on the device when a step ends. On
+CPU they are plain memory and are read at once. On CUDA they are copied into pinned host memory with a
+non-blocking copy queued behind the step's kernels, and a CUDA event is recorded after it; the record is
+written as soon as that event has completed (`Event.query()` never blocks). A `.item()` per step would
+instead stall the host until the GPU drains its queue, every step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+USS_COST_BUDGET = 0.002  # USS reads may take at most 0.2 % of the step time, amortised
+MAX_PENDING = 64  # records waiting for the device; beyond this the oldest is waited for
+CHECKSUM_RTOL = 1e-12  # float64 sums of identical replicas are bit-identical; this only absorbs printing
+
+
+# ---- host and device memory -------------------------------------------------------------------
+def cuda_memory(device: torch.device | None) -> dict[str, int | None]:
+    """Allocator counters of this process's CUDA device (host-side bookkeeping: no device sync).
+
+    Keys read with .get(): they differ between versions and the cudaMallocAsync backend. The peak is
+    since process start (or the script's last reset): resetting it here would reset the user's own
+    peak counters too, the side effect DeepSpeed's see_memory_usage has.
+    """
+    empty = {"mem_allocated": None, "mem_reserved": None, "mem_active_peak": None, "alloc_retries": None}
+    if device is None or device.type != "cuda":
+        return empty
+    stats = torch.cuda.memory_stats(device)
+    return {
+        "mem_allocated": stats.get("allocated_bytes.all.current"),
+        "mem_reserved": stats.get("reserved_bytes.all.current"),
+        "mem_active_peak": stats.get("active_bytes.all.peak"),
+        "alloc_retries": stats.get("num_alloc_retries"),
+    }
+
+
+def read_rss() -> int | None:
+    """Resident set size from /proc/self/statm (one small read, ~10 us)."""
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
+def read_uss() -> int | None:
+    """Unique set size: pages only this process holds (what it would give back if it exited).
+
+    RSS counts shared pages (CUDA libraries, shared memory) in every process; USS does not. But the kernel
+    must walk every page table to count it: ~1 ms for a small CPU job, far more for a large one.
+    """
+    try:
+        total = 0
+        with open("/proc/self/smaps_rollup", "rb") as fh:
+            for line in fh:
+                if line.startswith((b"Private_Clean:", b"Private_Dirty:")):
+                    total += int(line.split()[1]) * 1024
+        return total
+    except (OSError, ValueError, IndexError):
+        try:
+            import psutil
+
+            return psutil.Process().memory_full_info().uss
+        except Exception:
+            return None
+
+
+@dataclass(kw_only=True)
+class UssSampler:
+    """Reads USS every `every` steps, or less often when reading it is costly.
+
+    The interval stretches so that the amortised cost stays within USS_COST_BUDGET of the step time:
+    with a 1 ms read and 80 ms steps that is every 10 steps (the floor); with a 100 ms read on a
+    100 GB process and 1 s steps, every 50.
+    """
+
+    every: int = 10
+    _next_step: int = 1
+    _cost_s: float = 0.0
+
+    def sample(self, step: int, step_time_s: float | None) -> int | None:
+        if step < self._next_step:
+            return None
+        start = time.perf_counter()
+        value = read_uss()
+        self._cost_s = time.perf_counter() - start
+        interval = self.every
+        if step_time_s and step_time_s > 0:
+            interval = max(interval, math.ceil(self._cost_s / (USS_COST_BUDGET * step_time_s)))
+        self._next_step = step + interval
+        return value
+
+
+# ---- cross-rank weight checksum ----------------------------------------------------------------
+def is_sharded(params: list[torch.Tensor]) -> bool:
+    """FSDP / DTensor shards differ between ranks by design: a checksum across ranks means nothing."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - older torch
+        DTensor = ()  # noqa: N806
+    return any(isinstance(p, DTensor) or getattr(p, "_is_flat_param", False) for p in params)
+
+
+@dataclass(kw_only=True)
+class Replicas:
+    """A DDP module's parameters and the process group over which they must be identical."""
+
+    params: Callable[[], list[torch.Tensor]]
+    group: Any
+
+    def gather_checksums(self) -> tuple[torch.Tensor, list[int]] | None:
+        """all_gather of each rank's float64 parameter sum; (values, global ranks) or None."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        params = self.params()
+        if not params or is_sharded(params):
+            return None
+        size = dist.get_world_size(self.group)
+        if size < 2:
+            return None
+        with torch.no_grad():
+            local = torch.stack([p.detach().sum(dtype=torch.float64) for p in params]).sum().reshape(1)
+        if dist.get_backend(self.group) != "nccl":
+            local = local.cpu()  # gloo gathers host tensors
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts), dist.get_process_group_ranks(self.group)
+
+
+def desync_ranks(checksums: list[float], ranks: list[int]) -> list[int]:
+    """Ranks whose checksum differs from the group's first rank (DDP broadcasts from it).
+
+    >>> desync_ranks([1.5, 1.5, 1.25], [0, 1, 2])
+    [2]
+    """
+    reference = checksums[0]
+    tolerance = CHECKSUM_RTOL * max(1.0, abs(reference))
+    return [
+        rank
+        for rank, value in zip(ranks, checksums, strict=True)
+        if not (abs(value - reference) <= tolerance)  # NaN never equals: a NaN replica is desynced
+    ]
+
+
+# ---- deferred reads of device scalars ----------------------------------------------------------
+@dataclass(kw_only=True)
+class Pending:
+    """A record whose device values are still on their way to the host."""
+
+    record: dict[str, Any]
+    lazy: dict[str, torch.Tensor]
+    host: list[tuple[list[tuple[str, int]], Any]] = field(default_factory=list)  # (keys+sizes, values)
+    events: list[Any] = field(default_factory=list)
+
+    def ready(self) -> bool:
+        return all(event.query() for event in self.events)
+
+    def values(self) -> dict[str, list[float]]:
+        """Every lazy value as a list of floats (blocks only if the copy has not finished)."""
+        for event in self.events:
+            event.synchronize()
+        out: dict[str, list[float]] = {}
+        for keys, buffer in self.host:
+            flat = buffer.tolist() if isinstance(buffer, torch.Tensor) else buffer
+            offset = 0
+            for key, size in keys:
+                out[key] = flat[offset : offset + size]
+                offset += size
+        return out
+
+
+def start_copy(record: dict[str, Any], lazy: dict[str, torch.Tensor | None]) -> Pending:
+    """Queue the host copies of `lazy` (CPU tensors are read at once, without any copy)."""
+    pending = Pending(record=record, lazy={k: v for k, v in lazy.items() if v is not None})
+    by_device: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for key, tensor in pending.lazy.items():
+        by_device.setdefault(str(tensor.device), []).append((key, tensor.detach().reshape(-1)))
+    for device_key, items in by_device.items():
+        keys = [(key, tensor.numel()) for key, tensor in items]
+        if device_key == "cpu":
+            flat = [value for _, tensor in items for value in tensor.double().tolist()]
+            pending.host.append((keys, flat))
+            continue
+        joined = torch.cat([tensor.to(torch.float64) for _, tensor in items])
+        buffer = torch.empty(joined.numel(), dtype=torch.float64, pin_memory=True)
+        buffer.copy_(joined, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pending.host.append((keys, buffer))
+        pending.events.append(event)
+    return pending
+
+
+@dataclass(kw_only=True)
+class PendingQueue:
+    """Records in step order; each is written once its device values have reached the host."""
+
+    finish: Callable[[Pending], None]
+    _queue: deque[Pending] = field(default_factory=deque)
+
+    def push(self, pending: Pending) -> None:
+        self._queue.append(pending)
+        self.drain(block=len(self._queue) > MAX_PENDING)
+
+    def drain(self, *, block: bool = False) -> None:
+        """Write every record that is ready; with `block`, first wait until half the backlog is gone."""
+        while self._queue and (self._queue[0].ready() or (block and len(self._queue) > MAX_PENDING // 2)):
+            self.finish(self._queue.popleft())
+
+    def flush(self) -> None:
+        while self._queue:
+            self.finish(self._queue.popleft())

@@ -1,0 +1,135 @@
+"""Findings + job spec -> every output a person reads: report.html, recommended.env, recommended.toml,
+recommendations.json and summary.md, all written into the run directory through the store (which scrubs
+secret values from every byte).
+
+    from ciuic_doctor.report import build_report
+    result = build_report(RunDir.open("reports/run"), spec_path=None)
+
+`build_report` runs the analyses first when findings.json is missing or older than a stream (so
+`ciuic-doctor report RUN` works on a run directory straight from the probes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ciuic_doctor.errors import UserError
+from ciuic_doctor.findings import Finding, overall_verdict
+from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
+from ciuic_doctor.store import RunDir
+
+OUTPUTS = ("report.html", "recommended.env", "recommended.toml", "recommendations.json", "summary.md")
+
+
+@dataclass(kw_only=True)
+class ReportResult:
+    paths: dict[str, Path] = field(default_factory=dict)
+    overall: str = "not_run"
+    summary: str = ""
+    analysed: bool = False  # True when this call ran the analyses
+    findings: list[Finding] = field(default_factory=list)
+
+
+def needs_analysis(run: RunDir) -> bool:
+    """findings.json is missing, or some stream was written after it."""
+    from ciuic_doctor.analysis import FINDINGS_FILE
+
+    findings = run.path / FINDINGS_FILE
+    if not findings.exists():
+        return True
+    newest = max((p.stat().st_mtime for p in run.path.glob("*.jsonl")), default=0.0)
+    return newest > findings.stat().st_mtime
+
+
+def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
+    """--spec when given; else the spec the job recorded in meta.json; else the embedded default."""
+    if path is not None:
+        return load_spec(path)
+    recorded = meta.get("spec") or meta.get("job_spec")
+    spec = load_spec()
+    if isinstance(recorded, dict):
+        sections = {k: v for k, v in recorded.items() if k in spec.to_dict() and isinstance(v, dict)}
+        try:
+            return replace(with_updates(spec, sections), source="meta.json (recorded by the job)")
+        except UserError:
+            return spec  # a spec from another version of the tool: fall back to the default, don't fail
+    return spec
+
+
+def build_report(
+    run: RunDir, *, spec_path: str | Path | None = None, analyze: bool | None = None
+) -> ReportResult:
+    """Analyse (always with analyze=True, never with False, else when needed), recommend, check the seed
+    tips, and write every output file."""
+    from ciuic_doctor.analysis import load_findings, run_all
+    from ciuic_doctor.recommend import Context, recommend
+    from ciuic_doctor.report import files, html, sections
+    from ciuic_doctor.seed_tips import evaluate_tips
+    from ciuic_doctor.store import as_float
+
+    meta = run.read_meta()
+    spec = spec_for_run(meta, spec_path)
+    result = ReportResult()
+    if analyze or (analyze is None and needs_analysis(run)):
+        findings = run_all(run)
+        result.analysed = True
+    else:
+        findings = load_findings(run)
+    plan = recommend(spec, findings, meta)
+    streams = sections.load_streams(run)
+    steps = streams.get("steps") or []
+    first_rank = min((r.get("rank") or 0 for r in steps), default=0)
+    grad_norms = [
+        g
+        for r in steps
+        if (r.get("rank") or 0) == first_rank and (g := as_float(r.get("grad_norm"))) is not None
+    ]
+    tips = evaluate_tips(Context(spec=spec, findings=findings, meta=meta), grad_norms=grad_norms)
+    parts = sections.build_sections(streams, findings, meta)
+    not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
+    # A probe that ended badly but left records: its section shows them, and the verdicts say so.
+    findings = [
+        *findings,
+        *(
+            Finding(
+                probe="checkup",
+                check=s.command,
+                verdict="warn",
+                summary=f"{s.command} {problem}; its records may be partial",
+            )
+            for s in parts
+            if s.ran and (problem := sections.phase_problem(meta, s.command))
+        ),
+    ]
+    prov = html.provenance(meta, streams, spec)
+    run_name = str(meta.get("run") or run.path.name)
+    env_text = files.env_text(plan, job=spec.job.name, run=run_name)
+    changes = files.toml_changes(spec, plan)
+    result.summary = files.summary_md(
+        spec=spec, plan=plan, findings=findings, tips=tips, not_run=not_run, provenance=prov
+    )
+    page = html.render(
+        spec=spec,
+        findings=findings,
+        plan=plan,
+        tips=tips,
+        sections=parts,
+        meta=meta,
+        streams=streams,
+        env_text=env_text,
+        toml_changes=changes,
+    )
+    result.paths = {
+        "recommendations.json": run.write_json(
+            "recommendations.json", files.recommendations_json(plan, findings, tips, not_run, spec)
+        ),
+        "recommended.env": run.write_text("recommended.env", env_text),
+        "recommended.toml": run.write_text("recommended.toml", files.spec_toml(spec, plan, run=run_name)),
+        "summary.md": run.write_text("summary.md", result.summary),
+        "report.html": run.write_text("report.html", page),
+    }
+    result.findings = [*findings, *plan.findings]
+    result.overall = overall_verdict(result.findings)
+    return result

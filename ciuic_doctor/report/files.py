@@ -1,0 +1,178 @@
+"""The text outputs next to report.html: recommended.env, recommended.toml, recommendations.json, summary.md.
+
+recommended.env holds only environment settings, each preceded by a comment saying why, and only those
+with a measurement behind them (an unmeasured "leave unset" stays a comment). It is meant to be sourced
+(`source RUN/recommended.env`) before torchrun, so every value is shell-quoted and no comment can break
+out of its line.
+"""
+
+from __future__ import annotations
+
+import shlex
+import textwrap
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
+from ciuic_doctor.jobs.spec import JobSpec, dump_spec, with_updates
+from ciuic_doctor.recommend import Plan, is_change, setting_kind
+from ciuic_doctor.report.html import show_value
+from ciuic_doctor.seed_tips import Tip
+
+
+def _comment(text: str, width: int = 100) -> list[str]:
+    flat = " ".join(str(text).split())  # no newline can end the comment early
+    return ["# " + line for line in textwrap.wrap(flat, width - 2)] or ["#"]
+
+
+def applied(plan: Plan) -> Plan:
+    """The recommendations that change files: measured ones only (an unmeasured 'leave unset' is advice)."""
+    return Plan(recommendations=[r for r in plan.recommendations if r.evidence.get("measured") is not False])
+
+
+def env_text(plan: Plan, *, job: str, run: str) -> str:
+    lines = [
+        f"# ciuic-doctor: recommended environment for {job} (run {run}).",
+        "# Source it before launching: `source recommended.env && torchrun ...`. Only settings with a",
+        "# measurement behind them; each says why.",
+    ]
+    env_recs = [r for r in plan.recommendations if setting_kind(r.setting) == "env"]
+    if not env_recs:
+        lines += ["", "# No environment setting was recommended by this run's measurements."]
+    for rec in env_recs:
+        lines.append("")
+        measured = rec.evidence.get("measured") is not False
+        state = "leave unset" if rec.value is None else f"= {rec.value}"
+        lines += _comment(f"{rec.setting} {state} (confidence {rec.confidence}): {rec.why}")
+        if not measured:
+            lines.append("# (advice only: nothing was measured that this could follow from)")
+        elif rec.value is None:
+            lines.append(f"unset {rec.setting}")
+        else:
+            lines.append(f"export {rec.setting}={shlex.quote(str(rec.value))}")
+    return "\n".join(lines) + "\n"
+
+
+def recommended_spec(spec: JobSpec, plan: Plan) -> JobSpec:
+    return with_updates(spec, applied(plan).spec_updates(spec))
+
+
+def toml_changes(spec: JobSpec, plan: Plan) -> str:
+    """Only the spec keys that change, as TOML-ish lines under their section (for the copy block)."""
+    by_section: dict[str, list[str]] = {}
+    for rec in applied(plan).recommendations:
+        if setting_kind(rec.setting) != "spec" or not is_change(rec):
+            continue
+        section, key = rec.setting.split(".", 1)
+        value = rec.value
+        if value is None:  # TOML has no null: the key goes (e.g. prefetch_factor with num_workers = 0)
+            by_section.setdefault(section, []).append(f"# remove {key}   (was {show_value(rec.current)})")
+            continue
+        shown = (
+            ("true" if value else "false")
+            if isinstance(value, bool)
+            else (
+                f'"{value}"'
+                if isinstance(value, str)
+                else f"{value:g}"
+                if isinstance(value, float)
+                else str(value)
+            )
+        )
+        by_section.setdefault(section, []).append(f"{key} = {shown}   # was {show_value(rec.current)}")
+    env = [
+        f'{r.setting} = "{r.value}"'
+        for r in applied(plan).recommendations
+        if setting_kind(r.setting) == "env" and r.value is not None and is_change(r)
+    ]
+    removed = [
+        r.setting
+        for r in applied(plan).recommendations
+        if setting_kind(r.setting) == "env" and r.value is None and r.setting in spec.distributed.env
+    ]
+    lines: list[str] = []
+    for section, entries in by_section.items():
+        lines += [f"[{section}]", *entries, ""]
+    if env or removed:
+        lines += ["[distributed.env]", *env, *[f"# remove {name}" for name in removed], ""]
+    return "\n".join(lines).strip() + "\n" if lines else "# the job spec needs no change\n"
+
+
+def recommendations_json(
+    plan: Plan,
+    findings: Sequence[Finding],
+    tips: Sequence[Tip],
+    not_run: Sequence[dict[str, Any]],
+    spec: JobSpec,
+) -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "created": time.time(),
+        "spec_source": spec.source,
+        "overall": overall_verdict([*findings, *plan.findings]),
+        "recommendations": [
+            {**r.to_dict(), "kind": setting_kind(r.setting), "change": is_change(r)}
+            for r in plan.recommendations
+        ],
+        "settings_findings": [f.to_dict() for f in plan.findings],
+        "seed_tips": [t.to_dict() for t in tips],
+        "not_run": list(not_run),
+    }
+
+
+_MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "not_run": "NOT RUN"}
+_TIP_MARK = {"holds": "holds", "does not hold": "does not hold", "not measured": "not measured"}
+
+
+def summary_md(
+    *,
+    spec: JobSpec,
+    plan: Plan,
+    findings: Sequence[Finding],
+    tips: Sequence[Tip],
+    not_run: Sequence[dict[str, Any]],
+    provenance: dict[str, Any],
+    max_items: int = 8,
+) -> str:
+    """Short and pasteable into an issue or a chat: verdict, the problems, the changes, the seed tips."""
+    everything = sort_findings([*findings, *plan.findings])
+    overall = overall_verdict(everything)
+    counts = {v: sum(1 for f in everything if f.verdict == v) for v in ("fail", "warn", "pass", "not_run")}
+    lines = [
+        f"## ciuic-doctor: {spec.job.name} — {_MARK[overall]}",
+        "",
+        f"run `{provenance.get('run')}` · torch {provenance.get('torch') or '?'} · CUDA "
+        f"{provenance.get('cuda') or 'none'} · NCCL {provenance.get('nccl') or 'none'} · world size "
+        f"{provenance.get('world_size') or '?'} · {provenance.get('created') or ''}",
+        "",
+        f"**Checks:** {counts['fail']} fail, {counts['warn']} warn, {counts['pass']} pass, "
+        f"{counts['not_run'] + len(not_run)} not run (a pass covers only the checks that ran).",
+    ]
+    problems = [f for f in everything if f.verdict in ("fail", "warn")]
+    for f in problems[:max_items]:
+        lines.append(f"- {_MARK[f.verdict]} `{f.probe}/{f.check}`: {f.summary}")
+    if len(problems) > max_items:
+        lines.append(f"- … and {len(problems) - max_items} more in report.html")
+    for item in not_run:
+        lines.append(f"- NOT RUN `{item['command']}`: {item['reason']}")
+    changes = [r for r in plan.recommendations if is_change(r)]
+    lines += ["", "**Recommended changes**" if changes else "**Recommended changes:** none"]
+    if changes:
+        lines += ["", "| setting | current | recommended | confidence |", "|---|---|---|---|"]
+        for r in changes:
+            current = show_value(r.current) if r.current is not None else "—"
+            lines.append(
+                f"| `{r.setting}` | `{current}` | `{show_value(r.value, r.setting)}` | {r.confidence} |"
+            )
+    lines += ["", "**Seed tips:** " + " · ".join(f"{t.number} {_TIP_MARK[t.status]}" for t in tips)]
+    lines += ["", "Files: report.html, recommended.env, recommended.toml, recommendations.json."]
+    return "\n".join(lines) + "\n"
+
+
+def spec_toml(spec: JobSpec, plan: Plan, *, run: str) -> str:
+    header = (
+        f"# ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied.\n"
+        "# Use it with `ciuic-doctor job --spec recommended.toml`; see recommendations.json for the why.\n\n"
+    )
+    return header + dump_spec(recommended_spec(spec, plan))

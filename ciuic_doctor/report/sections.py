@@ -1,0 +1,403 @@
+"""One report section per probe: did it run (and if not, why), its findings, plots and data tables.
+
+A section whose probe did not run stays in the report and says "not run" with the reason (from the
+checkup's phase log or meta.json's probe record), so an absent check is never mistaken for a pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic_doctor.findings import Finding, sort_findings
+from ciuic_doctor.report import plots
+from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.units import format_bytes, format_size_short
+
+
+@dataclass(kw_only=True)
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[tuple[str, Any]]]  # (shown text, sort key) per cell
+    numeric: list[int] = field(default_factory=list)  # right-aligned columns
+
+
+@dataclass(kw_only=True)
+class Section:
+    id: str
+    title: str
+    command: str
+    probes: tuple[str, ...]
+    streams: tuple[str, ...]
+    intro: str = ""
+    ran: bool = False
+    reason: str = ""
+    findings: list[Finding] = field(default_factory=list)
+    plots: list[str] = field(default_factory=list)
+    tables: list[Table] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+BUSBW_NOTE = (
+    "busbw (bus bandwidth) is nccl-tests' figure: algbw (bytes / time) times a factor per collective "
+    "(all_reduce 2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n; broadcast 1). It is what a flat "
+    "ring of point-to-point links would need, which makes algorithms comparable — and it can exceed the link "
+    "speed: Tree on two nodes sends half the traffic over the network, and NVLS / SHARP reduce inside the "
+    "switch. Compare it with nccl-tests, not with the NIC's line rate."
+)
+
+
+def _sections() -> list[Section]:
+    return [
+        Section(
+            id="comm",
+            title="Collectives (comm-bench)",
+            command="comm-bench",
+            probes=("comm",),
+            streams=("comm",),
+            intro=BUSBW_NOTE,
+        ),
+        Section(
+            id="job",
+            title="Training job (job + watch)",
+            command="job",
+            probes=("steps", "watch", "job"),
+            streams=("steps",),
+        ),
+        Section(
+            id="stability",
+            title="Training stability",
+            command="stability",
+            probes=("stability",),
+            streams=(),
+            intro="Loss, grad norm and loss scale per step of the lowest rank; dotted lines mark detected "
+            "spikes, crosses mark steps the GradScaler skipped.",
+        ),
+        Section(
+            id="memory",
+            title="Memory (memwatch + step records)",
+            command="memwatch",
+            probes=("memory", "memwatch"),
+            streams=("memwatch",),
+        ),
+        Section(
+            id="loader",
+            title="DataLoader (loader-sweep)",
+            command="loader-sweep",
+            probes=("loader",),
+            streams=("loader",),
+            intro="Samples per second for each num_workers × prefetch_factor (best over pin_memory and "
+            "persistent_workers); the outlined cell is the recommendation: the smallest setting within the "
+            "noise of the best.",
+        ),
+        Section(
+            id="checkpoint",
+            title="Checkpoint (checkpoint-check)",
+            command="checkpoint-check",
+            probes=("checkpoint",),
+            streams=("checkpoint",),
+        ),
+    ]
+
+
+def _cell(value: Any, fmt: str | None = None) -> tuple[str, Any]:
+    if value is None:
+        return ("—", "")
+    if isinstance(value, bool):
+        return (str(value).lower(), int(value))
+    number = as_float(value) if isinstance(value, int | float | str) else None
+    if number is not None and fmt and not isinstance(value, str):
+        return (format(number, fmt), number)
+    return (str(value), number if number is not None else str(value))
+
+
+def _size_cell(n: Any) -> tuple[str, Any]:
+    return (format_size_short(n), n) if isinstance(n, int) else _cell(n)
+
+
+def _mb_cell(n: Any) -> tuple[str, Any]:
+    value = as_float(n)
+    return (format_bytes(value), value) if value is not None else ("—", "")
+
+
+def phase_problem(meta: dict[str, Any], command: str) -> str | None:
+    """How the checkup phase of `command` ended when it did not end well (None when fine or absent)."""
+    for phase in (meta.get("checkup") or {}).get("phases") or []:
+        if (
+            isinstance(phase, dict)
+            and phase.get("name") == command
+            and phase.get("status") not in ("ok", None)
+        ):
+            return f"{phase.get('status')}: {phase.get('reason') or 'no reason recorded'}"
+    return None
+
+
+def not_run_reason(meta: dict[str, Any], section: Section) -> str:
+    """Why a section has no data: the checkup's phase log first, then meta.json's probe record."""
+    phases = (meta.get("checkup") or {}).get("phases") or []
+    for phase in phases:
+        if isinstance(phase, dict) and phase.get("name") == section.command and phase.get("status") != "ok":
+            return str(phase.get("reason") or phase.get("status") or "failed")
+    probe = (meta.get("probes") or {}).get(section.command)
+    if isinstance(probe, dict) and probe.get("status") not in (None, "ok"):
+        return str(probe.get("reason") or probe.get("status"))
+    if section.streams:
+        return f"no {', '.join(section.streams)} records in this run directory"
+    return "no step records to analyse in this run directory"
+
+
+def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
+    svg = plots.busbw_plot(records)
+    if svg:
+        section.plots.append(svg)
+    rows = []
+    for r in sorted(
+        records, key=lambda r: (str(r.get("collective")), str(r.get("algo")), r.get("bytes") or 0)
+    ):
+        if r.get("bytes") is None:
+            continue
+        rows.append(
+            [
+                _cell(r.get("collective")),
+                _cell(r.get("algo")),
+                _cell(r.get("algo_used")),
+                _cell("in" if r.get("inplace") else "out"),
+                _size_cell(r.get("bytes")),
+                _cell(r.get("time_us"), ".1f"),
+                _cell(r.get("time_us_p99"), ".1f"),
+                _cell(r.get("algbw_gbps"), ".3f"),
+                _cell(r.get("busbw_gbps"), ".3f"),
+                _cell(r.get("wrong")),
+                _cell(r.get("slowest_rank")),
+            ]
+        )
+    if rows:
+        section.tables.append(
+            Table(
+                title="Every measured size (time averaged over ranks, as nccl-tests prints it)",
+                headers=[
+                    "collective",
+                    "algo",
+                    "algo used",
+                    "place",
+                    "size",
+                    "time µs",
+                    "p99 µs",
+                    "algbw GB/s",
+                    "busbw GB/s",
+                    "#wrong",
+                    "slowest rank",
+                ],
+                rows=rows,
+                numeric=[4, 5, 6, 7, 8, 9, 10],
+            )
+        )
+
+
+def job_content(section: Section, steps: list[dict[str, Any]]) -> None:
+    svg = plots.step_time_plot(steps)
+    if svg:
+        section.plots.append(svg)
+    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in steps:
+        if isinstance(r.get("step"), int):
+            by_rank[int(r.get("rank") or 0)].append(r)
+    rows = []
+    for rank, rs in sorted(by_rank.items()):
+        times = [t for r in rs if (t := as_float(r.get("step_time_s"))) is not None]
+        losses = [x for r in rs if (x := as_float(r.get("loss"))) is not None]
+        rss = [x for r in rs if (x := as_float(r.get("rss"))) is not None]
+        rows.append(
+            [
+                _cell(rank),
+                _cell(rs[0].get("host")),
+                _cell(len(rs)),
+                _cell(statistics.median(times) * 1e3 if times else None, ".1f"),
+                _cell(max(times) * 1e3 if times else None, ".1f"),
+                _cell(losses[-1] if losses else None, ".4g"),
+                _cell(sum(1 for r in rs if r.get("skipped"))),
+                _mb_cell(max(rss) if rss else None),
+            ]
+        )
+    if rows:
+        section.tables.append(
+            Table(
+                title="Per rank",
+                headers=[
+                    "rank",
+                    "host",
+                    "steps",
+                    "median step ms",
+                    "max step ms",
+                    "last loss",
+                    "skipped",
+                    "peak RSS",
+                ],
+                rows=rows,
+                numeric=[0, 2, 3, 4, 5, 6, 7],
+            )
+        )
+
+
+def memory_content(
+    section: Section, steps: list[dict[str, Any]], samples: list[dict[str, Any]], findings: Sequence[Finding]
+) -> None:
+    leaks = [f for f in findings if f.check == "memory_leak" and f.verdict in ("warn", "fail")]
+    svg = plots.step_memory_plot(steps, leaks)
+    if svg:
+        section.plots.append(svg)
+    svg = plots.memwatch_plot(samples)
+    if svg:
+        section.plots.append(svg)
+    by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in samples:
+        by_role[str(s.get("role") or s.get("pid") or "?")].append(s)
+    rows = []
+    for role, ss in sorted(by_role.items()):
+
+        def series(key: str, ss: list[dict[str, Any]] = ss) -> list[float]:
+            return [v for s in ss if (v := as_float(s.get(key))) is not None]
+
+        rss, uss = series("rss"), series("uss")
+        rows.append(
+            [
+                _cell(role),
+                _cell(len(ss)),
+                _mb_cell(rss[0] if rss else None),
+                _mb_cell(rss[-1] if rss else None),
+                _mb_cell(max(rss) if rss else None),
+                _mb_cell(uss[-1] if uss else None),
+            ]
+        )
+    if rows:
+        section.tables.append(
+            Table(
+                title="Watched processes (memwatch samples)",
+                headers=["process", "samples", "first RSS", "last RSS", "peak RSS", "last USS"],
+                rows=rows,
+                numeric=[1, 2, 3, 4, 5],
+            )
+        )
+    if steps and not samples:
+        section.notes.append(
+            "memwatch did not sample this run; the plot uses the step records' memory fields."
+        )
+
+
+def loader_content(section: Section, records: list[dict[str, Any]], findings: Sequence[Finding]) -> None:
+    best = next((f for f in findings if f.check == "loader_throughput"), None)
+    recommended = (best.evidence.get("recommended") if best else None) or {}
+    pooled = (best.evidence.get("configs") if best else None) or []
+    # The analysis pools every window of a configuration; prefer its figures to the raw records.
+    configs = plots.loader_configs(pooled or records)
+    svg = plots.loader_plot(list(configs.values()), recommended)
+    if svg:
+        section.plots.append(svg)
+    raw = plots.loader_configs(records)
+    rows = []
+    for key, r in sorted(configs.items(), key=lambda kv: tuple(str(k) for k in kv[0])):
+        workers, prefetch, pin, persistent = key
+        latency = raw.get(key, r)
+        rows.append(
+            [
+                _cell(workers),
+                _cell(prefetch),
+                _cell(pin),
+                _cell(persistent),
+                _cell(r.get("samples_per_s"), ".1f"),
+                _cell(r.get("rel_se_pct"), ".1f"),
+                _cell(latency.get("batch_latency_p50_ms"), ".2f"),
+                _cell(latency.get("batch_latency_p99_ms"), ".2f"),
+            ]
+        )
+    if rows:
+        section.tables.append(
+            Table(
+                title="Configurations measured",
+                headers=[
+                    "num_workers",
+                    "prefetch",
+                    "pin_memory",
+                    "persistent",
+                    "samples/s",
+                    "± % (1 SE)",
+                    "batch wait p50 ms",
+                    "p99 ms",
+                ],
+                rows=rows,
+                numeric=[0, 1, 4, 5, 6, 7],
+            )
+        )
+
+
+def generic_content(section: Section, records: list[dict[str, Any]]) -> None:
+    """A plain table of a stream's records (the checkpoint stream), skipping the bookkeeping fields."""
+    skip = {"schema", "t"}
+    keys: list[str] = []
+    for r in records:
+        keys.extend(k for k in r if k not in skip and k not in keys and not isinstance(r[k], dict | list))
+    keys = keys[:10]
+    if records and keys:
+        section.tables.append(
+            Table(
+                title="Records",
+                headers=keys,
+                rows=[
+                    [_cell(r.get(k), ".4g" if isinstance(r.get(k), float) else None) for k in keys]
+                    for r in records[:200]
+                ],
+            )
+        )
+
+
+STREAMS = ("comm", "steps", "memwatch", "loader", "checkpoint")
+
+
+def load_streams(run: RunDir) -> dict[str, list[dict[str, Any]]]:
+    """The records of every stream the report draws (torn lines skipped by the store)."""
+    return {name: run.read(name).records for name in STREAMS}
+
+
+def build_sections(
+    streams: dict[str, list[dict[str, Any]]], findings: Sequence[Finding], meta: dict[str, Any]
+) -> list[Section]:
+    """Every probe's section, filled from its streams and findings; absent probes say why."""
+    sections = _sections()
+    for section in sections:
+        section.findings = sort_findings([f for f in findings if f.probe in section.probes])
+        has_data = any(streams.get(s) for s in section.streams)
+        if section.id == "stability":
+            has_data = bool(section.findings)
+        section.ran = has_data or bool(section.findings)
+        if not section.ran:
+            section.reason = not_run_reason(meta, section)
+            if section.id == "stability" and streams["steps"]:
+                section.reason = "step records exist, but no stability analysis produced findings from them"
+            continue
+        problem = phase_problem(meta, section.command)
+        if problem:
+            section.notes.append(
+                f"The {section.command} phase of the checkup {problem}; its records may be partial."
+            )
+        if section.id == "comm":
+            comm_content(section, streams["comm"])
+        elif section.id == "job":
+            job_content(section, streams["steps"])
+        elif section.id == "stability":
+            events = [
+                f for f in findings if f.where.get("step") is not None and f.verdict in ("warn", "fail")
+            ]
+            svg = plots.stability_plot(streams["steps"], events)
+            if svg:
+                section.plots.append(svg)
+        elif section.id == "memory":
+            memory_content(section, streams["steps"], streams["memwatch"], findings)
+        elif section.id == "loader":
+            loader_content(section, streams["loader"], findings)
+        else:
+            generic_content(section, streams.get(section.streams[0], []))
+    return sections

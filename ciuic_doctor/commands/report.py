@@ -1,0 +1,45 @@
+"""Turn a run directory into what a person reads: report.html (one offline file), recommended.env,
+recommended.toml (the job spec with the recommended values applied), recommendations.json and summary.md.
+
+Runs the analyses first when findings.json is missing or older than the streams. The recommendations
+compare the job's current settings (--spec, else the spec the job recorded in meta.json, else the embedded
+DeepSeek job's) with what was measured; no measurement, no recommendation.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "report"
+HELP = "write report.html, recommended.env/.toml, recommendations.json and summary.md for a run directory"
+ORDER = 70
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", metavar="RUN", help="a run directory written by the probes or by checkup")
+    parser.add_argument(
+        "--spec", metavar="JOB.TOML", help="the job's spec (default: the one the run recorded)"
+    )
+    parser.add_argument(
+        "--reanalyze", action="store_true", help="run the analyses again even when findings.json is current"
+    )
+    parser.add_argument("--quiet", action="store_true", help="print only the paths, not the summary")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from ciuic_doctor.report import build_report
+    from ciuic_doctor.store import RunDir
+
+    start = time.perf_counter()
+    result = build_report(
+        RunDir.open(args.run), spec_path=args.spec, analyze=True if args.reanalyze else None
+    )
+    if not args.quiet:
+        print(result.summary)
+    took = time.perf_counter() - start
+    print(f"report written in {took:.1f} s{' (analyses run first)' if result.analysed else ''}:")
+    for name, path in result.paths.items():
+        print(f"  {name:22s} {path}")
+    return 0

@@ -40,12 +40,12 @@ from ciuic_doctor.probes.watch_values import (
     Replicas,
     UssSampler,
     cuda_memory,
-    desync_ranks,
     is_sharded,
     read_rss,
     start_copy,
 )
 
+from ciuic_doctor.analysis.steps import differing_ranks
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.store import RunDir
 
@@ -161,6 +161,8 @@ class WatchSession:
             if self._step.stepped:  # an enabled scaler whose update() never came: still a step
                 self._guarded(self._finalize, scaler=None, found_inf=None)
             self._guarded(self._queue.flush)
+        if self._snapshot is not None:
+            self._guarded(self._snapshot.stop)
         self._writer.close()
         if _ACTIVE.get("session") is self:
             del _ACTIVE["session"]
@@ -396,7 +398,7 @@ class WatchSession:
 
             me = dist.get_rank() if dist.is_initialized() else self.rank
             record["weights_checksum"] = values["checksums"][ranks.index(me)] if me in ranks else None
-            record["desync_ranks"] = desync_ranks(values["checksums"], ranks)
+            record["desync_ranks"] = differing_ranks(values["checksums"], ranks)
         full = {key: record.get(key) for key in RECORD_KEYS}
         self._writer.write(full)
         self.steps_written += 1

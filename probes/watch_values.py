@@ -22,7 +22,6 @@ import torch
 
 USS_COST_BUDGET = 0.002  # USS reads may take at most 0.2 % of the step time, amortised
 MAX_PENDING = 64  # records waiting for the device; beyond this the oldest is waited for
-CHECKSUM_RTOL = 1e-12  # float64 sums of identical replicas are bit-identical; this only absorbs printing
 
 
 # ---- host and device memory -------------------------------------------------------------------
@@ -140,21 +139,6 @@ class Replicas:
         parts = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts), dist.get_process_group_ranks(self.group)
-
-
-def desync_ranks(checksums: list[float], ranks: list[int]) -> list[int]:
-    """Ranks whose checksum differs from the group's first rank (DDP broadcasts from it).
-
-    >>> desync_ranks([1.5, 1.5, 1.25], [0, 1, 2])
-    [2]
-    """
-    reference = checksums[0]
-    tolerance = CHECKSUM_RTOL * max(1.0, abs(reference))
-    return [
-        rank
-        for rank, value in zip(ranks, checksums, strict=True)
-        if not (abs(value - reference) <= tolerance)  # NaN never equals: a NaN replica is desynced
-    ]
 
 
 # ---- deferred reads of device scalars ----------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Run a training script unchanged, recording every optimizer step into RUN/steps.rank<R>.jsonl.
+
+    ciuic-doctor watch [--out RUN] -- script.py [args]       as `python script.py [args]` would
+    ciuic-doctor watch -- -m package.module [args]           as `python -m package.module [args]`
+    torchrun --nproc-per-node N -m ciuic_doctor watch -- script.py [args]   one stream per rank
+
+Per step: loss (the scalar backward() ran on, unscaled), LR, grad norm (clip_grad_norm_'s, else computed),
+GradScaler scale and skipped steps, step time, CUDA allocator counters, RSS and USS, and a cross-rank
+weight checksum every --checksum-every steps. No device sync per step. Records are on disk as they are
+made (kill -9 keeps every finished step); the exit code is the script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ciuic_doctor.commands._common import add_out, positive_int
+
+NAME = "watch"
+HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
+ORDER = 31
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_out(parser)
+    parser.add_argument(
+        "--checksum-every",
+        type=positive_int,
+        default=10,
+        metavar="K",
+        help="steps between cross-rank weight checksums, also taken at step 1 (default 10)",
+    )
+    parser.add_argument(
+        "--uss-every",
+        type=positive_int,
+        default=10,
+        metavar="K",
+        help="fewest steps between USS reads; a read walks the page tables (~1 ms and up) (default 10)",
+    )
+    parser.add_argument(
+        "--no-grad-norm",
+        action="store_true",
+        help="do not compute the gradient norm when the script does not clip",
+    )
+    parser.add_argument("--no-checksum", action="store_true", help="no cross-rank weight checksum")
+    parser.add_argument(
+        "--snapshot-on-leak",
+        action="store_true",
+        help="CUDA only: record allocation history and dump RUN/memory_snapshot.rank<R>.pickle "
+        "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
+    )
+    parser.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- script.py [args] | -- -m module [args]",
+        help="the training script and its arguments",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.errors import UserError
+
+    argv = list(args.command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
+    if argv[0] != "-m" and not Path(argv[0]).is_file():
+        raise UserError(f"{argv[0]}: no such script")
+
+    from ciuic_doctor.probes.watch import run_script
+    from ciuic_doctor.watch import attach
+
+    session = attach(
+        out=args.out,
+        checksum_every=args.checksum_every,
+        uss_every=args.uss_every,
+        grad_norm=not args.no_grad_norm,
+        checksum=not args.no_checksum,
+        snapshot_on_leak=args.snapshot_on_leak,
+        probe_fields={"argv": argv},
+    )
+    code = 1
+    try:
+        code = run_script(argv)
+    finally:
+        session.close()
+        if session.rank == 0:
+            status = "finished" if code == 0 else "failed"
+            session.run.record_probe("watch", status=status, exit_code=code, steps=session.steps_written)
+        print(
+            f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in "
+            f"{session.run.stream_path('steps', session.rank)}",
+            file=sys.stderr,
+        )
+    return code

@@ -1,0 +1,315 @@
+"""loader-sweep records -> findings: which DataLoader settings to use on this node, and the pitfalls.
+
+Checks (stream `loader`, the last sweep in the run directory):
+
+- `loader_throughput`: the best configuration, the *smallest* one within the measurement noise of it
+  (fewer workers = less memory, fewer processes, more CPU left to the rank), the knee of the
+  throughput-vs-workers curve, the job's current settings and Lightning's rule side by side.
+- `loader_shm`: in-flight shared memory ≈ workers × prefetch_factor × batch bytes per rank, × local ranks,
+  against /dev/shm free (docker's default is 64 MB; too little shows as "killed by signal: Bus error").
+- `loader_worker_growth`: worker USS growth during the measured window (copy-on-read of Python objects
+  shows in USS/PSS, not RSS).
+- `loader_budget`: worker counts against the CPU budget per local rank (min(affinity, cgroup quota) //
+  local world size), which neither PyTorch's nor Lightning's warnings account for.
+- `loader_errors`: configurations whose workers crashed, raised or hung (DataLoader timeout / watchdog).
+
+Pure functions of records: no torch, no pandas. The sweep imports `pool` and `halving_order` from here,
+so the sweep drops configurations by the same noise rule the report judges them by.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from ciuic_doctor.findings import Finding, Recommendation
+from ciuic_doctor.store import RunDir, as_float
+
+STREAMS = ("loader",)
+PROBE = "loader"
+
+# Two throughputs closer than 3 % are not told apart: repeated windows of one configuration on a shared
+# node differ by a few per cent. Wider when the windows themselves scatter (2 standard errors).
+NOISE_FLOOR = 0.03
+NOISE_SIGMAS = 2.0
+KNEE_FRACTION = 0.90  # the knee: the fewest workers that reach 90 % of the best rate
+PERSISTENT_SAVING_MIN_S = 0.01  # a persistent-workers saving smaller than 10 ms per epoch is not worth it
+CONFIG_KEYS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
+
+
+@dataclass(kw_only=True)
+class Pooled:
+    """Every ok measurement of one configuration across rounds, pooled into one estimate."""
+
+    config: str
+    num_workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    eligible: bool = True
+    over_budget: bool = False
+    is_current: bool = False
+    samples: int = 0
+    elapsed_s: float = 0.0
+    group_s: list[float] = field(default_factory=list)
+    rounds: list[int] = field(default_factory=list)
+    epoch_start_s: list[float] = field(default_factory=list)
+    persistent_restart_s: list[float] = field(default_factory=list)
+    batch_bytes: int = 0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def rel_se(self) -> float:
+        """Relative standard error of the rate, from the scatter of the per-group durations."""
+        if len(self.group_s) < 2:
+            return 0.5  # one group says nothing about noise: treat it as very uncertain
+        mean = statistics.fmean(self.group_s)
+        return statistics.stdev(self.group_s) / (mean * math.sqrt(len(self.group_s))) if mean > 0 else 0.5
+
+    @property
+    def cost(self) -> tuple[int, int, bool]:
+        """Smaller is cheaper: fewer worker processes first, then fewer batches held, then no pinning."""
+        return (self.num_workers, self.prefetch_factor or 0, self.pin_memory)
+
+    @property
+    def persistent_workers(self) -> bool:
+        """Recommended only when the measured epoch-restart saving is worth it (see `restart_saving_s`)."""
+        saving = self.restart_saving_s
+        return self.num_workers > 0 and saving is not None and saving >= PERSISTENT_SAVING_MIN_S
+
+    @property
+    def restart_saving_s(self) -> float | None:
+        if not self.epoch_start_s or not self.persistent_restart_s:
+            return None
+        return statistics.median(self.epoch_start_s) - statistics.median(self.persistent_restart_s)
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "num_workers": self.num_workers,
+            "prefetch_factor": self.prefetch_factor,
+            "pin_memory": self.pin_memory,
+            "persistent_workers": self.persistent_workers,
+            "samples_per_s": round(self.samples_per_s, 2),
+        }
+
+
+def last_sweep(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header of the last sweep in the stream and that sweep's records (a rerun appends)."""
+    headers = [r for r in records if r.get("kind") == "sweep"]
+    if not headers:
+        return {}, records
+    header = headers[-1]
+    return header, [r for r in records if r.get("sweep") == header.get("sweep") and r is not header]
+
+
+def pool(records: list[dict[str, Any]]) -> dict[str, Pooled]:
+    """Ok measurements grouped by configuration (failed ones are judged by `loader_errors`)."""
+    pooled: dict[str, Pooled] = {}
+    for r in records:
+        if r.get("kind") != "measure" or r.get("status") != "ok":
+            continue
+        p = pooled.setdefault(
+            r["config"],
+            Pooled(
+                config=r["config"],
+                num_workers=int(r["num_workers"]),
+                prefetch_factor=r.get("prefetch_factor"),
+                pin_memory=bool(r.get("pin_memory")),
+                eligible=bool(r.get("eligible", True)),
+                over_budget=bool(r.get("over_budget", False)),
+                is_current=bool(r.get("is_current", False)),
+            ),
+        )
+        p.samples += int(r.get("samples") or 0)
+        p.elapsed_s += as_float(r.get("elapsed_s")) or 0.0
+        p.group_s.extend(float(x) for x in r.get("group_s") or [])
+        p.rounds.append(int(r.get("round", 0)))
+        p.batch_bytes = max(p.batch_bytes, int(r.get("batch_bytes") or 0))
+        for key in ("epoch_start_s", "persistent_restart_s"):
+            value = as_float(r.get(key))
+            if value is not None:
+                getattr(p, key).append(value)
+    return pooled
+
+
+def noise_margin(a: Pooled, b: Pooled) -> float:
+    """Relative difference below which a and b are not told apart."""
+    return max(NOISE_FLOOR, NOISE_SIGMAS * math.hypot(a.rel_se, b.rel_se))
+
+
+def within_noise(candidate: Pooled, best: Pooled) -> bool:
+    return candidate.samples_per_s >= best.samples_per_s * (1.0 - noise_margin(candidate, best))
+
+
+def halving_order(candidates: list[Pooled]) -> list[Pooled]:
+    """Survival order for successive halving: those within noise of the leader, cheapest first, then
+    the rest by rate. Among equals the cheap one survives, so the sweep ends on the configuration it
+    will recommend instead of on the one that was luckiest in a short window."""
+    if not candidates:
+        return []
+    leader = max(candidates, key=lambda p: p.samples_per_s)
+    close = sorted((p for p in candidates if within_noise(p, leader)), key=lambda p: p.cost)
+    rest = sorted((p for p in candidates if not within_noise(p, leader)), key=lambda p: -p.samples_per_s)
+    return close + rest
+
+
+def choose(pooled: dict[str, Pooled]) -> tuple[Pooled | None, Pooled | None]:
+    """(best, recommended): the highest rate overall, and the cheapest eligible configuration within
+    noise of it among those measured in the deepest round (the most precisely measured ones)."""
+    if not pooled:
+        return None, None
+    best = max(pooled.values(), key=lambda p: p.samples_per_s)
+    eligible = [p for p in pooled.values() if p.eligible] or list(pooled.values())
+    deepest = max(max(p.rounds) for p in eligible)
+    for group in ([p for p in eligible if max(p.rounds) == deepest], eligible):
+        close = [p for p in group if within_noise(p, best)]
+        if close:
+            return best, min(close, key=lambda p: p.cost)
+    return best, max(eligible, key=lambda p: p.samples_per_s)
+
+
+def knee_workers(pooled: dict[str, Pooled]) -> int | None:
+    """The fewest workers whose best configuration reaches KNEE_FRACTION of the best rate."""
+    per_workers: dict[int, float] = {}
+    for p in pooled.values():
+        per_workers[p.num_workers] = max(per_workers.get(p.num_workers, 0.0), p.samples_per_s)
+    if not per_workers:
+        return None
+    top = max(per_workers.values())
+    return min(w for w, rate in per_workers.items() if rate >= KNEE_FRACTION * top)
+
+
+def _current(header: dict[str, Any]) -> dict[str, Any]:
+    return dict(header.get("current") or {})
+
+
+def _failures(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "config": r.get("config"),
+            "round": r.get("round"),
+            "status": r.get("status"),
+            "error": r.get("error"),
+        }
+        for r in records
+        if r.get("kind") == "measure" and r.get("status") not in ("ok", "skipped")
+    ]
+
+
+def analyze(run: RunDir) -> list[Finding]:
+    header, records = last_sweep(run.read("loader").records)
+    return analyze_records(header, records)
+
+
+def analyze_records(header: dict[str, Any], records: list[dict[str, Any]]) -> list[Finding]:
+    """All loader checks for one sweep: `header` is its kind=sweep record, `records` the rest."""
+    from ciuic_doctor.analysis import _loader_checks as loader_checks  # the pitfall checks
+
+    pooled = pool(records)
+    best, recommended = choose(pooled)
+    findings = [throughput_finding(header, pooled, best, recommended)]
+    findings.append(loader_checks.shm_finding(header, records, pooled, recommended))
+    findings.append(loader_checks.growth_finding(header, records))
+    findings.append(loader_checks.budget_finding(header, pooled, recommended))
+    findings.append(loader_checks.errors_finding(_failures(records), records))
+    return findings
+
+
+def throughput_finding(
+    header: dict[str, Any], pooled: dict[str, Pooled], best: Pooled | None, recommended: Pooled | None
+) -> Finding:
+    current = _current(header)
+    lws = int(header.get("local_world_size") or 1)
+    evidence: dict[str, Any] = {
+        "best": best.settings() if best else None,
+        "recommended": recommended.settings() if recommended else None,
+        "within_noise_of_best": bool(best and recommended and within_noise(recommended, best)),
+        "noise_margin_pct": round(100 * noise_margin(recommended, best), 2) if best and recommended else None,
+        "knee_workers": knee_workers(pooled),
+        "current": current or None,
+        "current_samples_per_s": None,
+        "lightning_rule_workers": header.get("lightning_rule_workers"),
+        "lightning_rule_samples_per_s": None,
+        "cpu_budget_per_rank": header.get("cpu_budget_per_rank"),
+        "local_world_size": lws,
+        "step_ms": header.get("step_ms"),
+        "configs": sorted(
+            (
+                {
+                    **p.settings(),
+                    "config": p.config,
+                    "rel_se_pct": round(100 * p.rel_se, 2),
+                    "rounds": sorted(set(p.rounds)),
+                    "eligible": p.eligible,
+                }
+                for p in pooled.values()
+            ),
+            key=lambda c: -c["samples_per_s"],
+        ),
+    }
+    if best is None or recommended is None:
+        return Finding(
+            probe=PROBE,
+            check="loader_throughput",
+            verdict="not_run",
+            evidence=evidence,
+            summary="no DataLoader configuration completed a measurement (see loader_errors)",
+        )
+    current_pooled = next((p for p in pooled.values() if p.is_current), None)
+    if current_pooled is not None:
+        evidence["current_samples_per_s"] = round(current_pooled.samples_per_s, 2)
+    rule = header.get("lightning_rule_workers")
+    rule_rates = [p.samples_per_s for p in pooled.values() if p.num_workers == rule]
+    if rule_rates:
+        evidence["lightning_rule_samples_per_s"] = round(max(rule_rates), 2)
+    rec = recommended.settings()
+    text = (
+        f"recommend num_workers={rec['num_workers']} prefetch_factor={rec['prefetch_factor']} "
+        f"({rec['samples_per_s']:.0f} samples/s; best {best.config} {best.samples_per_s:.0f}, "
+        f"noise ±{evidence['noise_margin_pct']}%); knee at {evidence['knee_workers']} workers; "
+        f"Lightning's rule says {rule}"
+    )
+    verdict = "pass"
+    if current_pooled is not None:
+        text += f"; current {current_pooled.config} {current_pooled.samples_per_s:.0f} samples/s"
+        if not within_noise(current_pooled, best):
+            verdict = "warn"
+            text += f", {100 * (1 - current_pooled.samples_per_s / best.samples_per_s):.0f}% below the best"
+    return Finding(probe=PROBE, check="loader_throughput", verdict=verdict, summary=text, evidence=evidence)
+
+
+def recommendations(findings: list[Finding]) -> list[Recommendation]:
+    """dataloader.* settings from a loader_throughput finding; none where the current value already
+    matches or nothing was measured (GUIDE: no recommendation without a measurement behind it)."""
+    found = next((f for f in findings if f.check == "loader_throughput" and f.verdict != "not_run"), None)
+    if found is None:
+        return []
+    ev = found.evidence
+    rec, current = ev["recommended"], ev.get("current") or {}
+    confidence = "high" if ev.get("noise_margin_pct", 100) <= 100 * NOISE_FLOOR * 2 else "medium"
+    why = (
+        f"smallest configuration within the measurement noise ({ev['noise_margin_pct']}%) of the best "
+        f"({ev['best']['samples_per_s']} samples/s) on a CPU budget of {ev['cpu_budget_per_rank']} per rank"
+    )
+    out = []
+    for key in CONFIG_KEYS:
+        if key in current and current[key] == rec[key]:
+            continue
+        out.append(
+            Recommendation(
+                setting=f"dataloader.{key}",
+                value=rec[key],
+                current=current.get(key),
+                why=why,
+                confidence=confidence,
+                evidence={
+                    "recommended_samples_per_s": rec["samples_per_s"],
+                    "current_samples_per_s": ev.get("current_samples_per_s"),
+                },
+            )
+        )
+    return out

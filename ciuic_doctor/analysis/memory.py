@@ -1,0 +1,423 @@
+"""Memory findings from memwatch samples and watch's step records: leaks, fragmentation, non-PyTorch
+device memory, DataLoader worker growth, and a verdict on the "call empty_cache periodically" folklore.
+
+Checks (probe "memory"; evidence keys are the contract the report codes against):
+- `memory_leak`, per rank and kind (host | device): a robust trend (Theil–Sen, `_trend`) after a
+  warm-up, against steps when the run has them (samples mapped to their rank's step by time), else
+  against time. A leak needs all three: Mann–Kendall z ≥ 3, R² ≥ 0.5, and fitted growth over the
+  window ≥ max(16 MiB, 0.5 % of the level) — a flat noisy series fails at least one of them. Projection:
+  host headroom is the machine's available memory at the last sample, shared by every rank leaking on
+  that host; device headroom is the device total minus what the rank holds. fail when the projection
+  runs out within 24 h, else warn. Host series: memwatch's anon (RSS − file-backed − shmem), else USS,
+  else RSS, else the steps' own uss/rss; device series: the steps' mem_allocated, else NVML's bytes.
+  Evidence: kind, metric, source, slope_bytes_per_step | slope_bytes_per_s, growth_mb_per_step |
+  growth_mb_per_s, r2, mann_kendall_z, points, level_start/end_bytes, limit_bytes, headroom_bytes,
+  projected_oom_step (step runs only), projected_oom_s.
+- `fragmentation`, per rank, from the steps' CUDA allocator fields: alloc retries (the allocator freed
+  its cache and retried a failed cudaMalloc: a near-OOM sign) and cache held beyond the step's peak.
+  At step end reserved − allocated is mostly next step's activation cache, so the verdict uses reserved
+  − peak (memory never in use even at the peak); reserved − allocated is reported as the contract asks.
+- `non_pytorch_device_memory`, per rank: NVML's per-process bytes − the allocator's reserved bytes at the
+  same time (CUDA context, cuBLAS workspaces, NCCL buffers — reference/memory.md) and whether it grows;
+  this is the test of the seed's "NCCL buffers accumulate" claim.
+- `worker_memory_growth`, per rank: USS of each DataLoader worker over time. USS rising while RSS
+  stays put is copy-on-read (refcount writes un-share forked pages; pytorch/pytorch#13246).
+- `empty_cache`: PyTorch's docs say empty_cache does not give PyTorch more memory; it only returns
+  cached blocks to the driver. The verdict says whether this run shows anything it could help with.
+
+Sizes in `_mb` keys are MiB (2**20), like every size in ciuic-doctor.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from ciuic_doctor.analysis._trend import Trend, robust_trend
+from ciuic_doctor.findings import Finding
+from ciuic_doctor.store import RunDir, as_float
+
+STREAMS = ("memwatch", "steps")
+PROBE = "memory"
+MIB = 2**20
+
+WARMUP_STEPS = 3  # optimizer state appears at steps 1–2 (reference/memory.md)
+WARMUP_FRACTION = 0.1  # and the first 10 % of any series: allocator caches and page cache settle
+MIN_POINTS = 8
+LEAK_Z = 3.0
+LEAK_R2 = 0.5
+LEAK_MIN_BYTES = 16 * MIB
+LEAK_MIN_FRACTION = 0.005  # of the level: 150 MB on a 30 GB rank, but never below LEAK_MIN_BYTES
+NON_PYTORCH_MIN_BYTES = 64 * MIB  # NCCL grows in whole buffers (4 MiB default per channel and peer)
+WORKER_MIN_BYTES = 16 * MIB
+FAIL_HORIZON_S = 24 * 3600.0
+# anon (RSS − file-backed − shmem) first: a leak grows it, while USS also rises when forked workers
+# un-share pages (copy-on-read) and RSS when a process reads a memory-mapped dataset (reclaimable)
+HOST_METRICS = ("anon", "uss", "rss")
+UNUSED_CACHE_FRACTION = 0.25
+UNUSED_CACHE_MIN_BYTES = 2**30
+
+
+@dataclass(kw_only=True)
+class Series:
+    """One quantity of one process against steps (x_unit "step") or seconds (x_unit "s")."""
+
+    x: list[float]
+    y: list[float]
+    x_unit: str
+    metric: str
+    source: str
+    pid: int | None = None
+    host: str | None = None
+
+
+class _Data:
+    """The run's records, indexed the ways the checks need them."""
+
+    def __init__(self, run: RunDir) -> None:
+        samples = run.read("memwatch").records if run.has_stream("memwatch") else []
+        self.samples = [r for r in samples if isinstance(r.get("pid"), int) and as_float(r.get("t"))]
+        events = run.read("memwatch_events").records if run.has_stream("memwatch_events") else []
+        start = next((r for r in events if r.get("kind") == "start"), {})
+        self.nvml_reason: str | None = start.get("nvml_reason")  # None: NVML was there, or no events
+        self.steps: dict[int, list[dict[str, Any]]] = {}
+        for record in run.read("steps").records if run.has_stream("steps") else []:
+            if isinstance(record.get("rank"), int) and as_float(record.get("step")) is not None:
+                self.steps.setdefault(record["rank"], []).append(record)
+        for records in self.steps.values():
+            records.sort(key=lambda r: as_float(r.get("t")) or 0.0)
+        last_role: dict[int, str] = {}
+        for sample in self.samples:  # a pid's last role wins: a root relabelled "agent" stays one
+            last_role[sample["pid"]] = sample["role"]
+        self.by_pid: dict[int, list[dict[str, Any]]] = {}
+        for sample in self.samples:
+            self.by_pid.setdefault(sample["pid"], []).append(sample)
+        self.role_pids: dict[str, list[int]] = {}
+        for pid, role in last_role.items():
+            self.role_pids.setdefault(role, []).append(pid)
+        self.device_totals = _meta_device_totals(run.read_meta())
+
+    def gpu_absent_reason(self) -> str:
+        """Why the samples carry no per-process GPU memory."""
+        if not self.samples:
+            return "memwatch did not sample this run"
+        return self.nvml_reason or "NVML listed none of the watched processes"
+
+    def ranks(self) -> list[int]:
+        from_roles = {int(r.split()[1]) for r in self.role_pids if r.startswith("rank ")}
+        return sorted(from_roles | set(self.steps))
+
+    def rank_samples(self, rank: int) -> list[dict[str, Any]]:
+        """Samples of the rank's process (the one watched longest when torchrun restarted it)."""
+        pids = self.role_pids.get(f"rank {rank}", [])
+        return max((self.by_pid[p] for p in pids), key=len, default=[])
+
+    def steps_field(self, rank: int, name: str) -> tuple[list[float], list[float]]:
+        xs, ys = [], []
+        for record in self.steps.get(rank, []):
+            value = as_float(record.get(name))
+            if value is not None and math.isfinite(value):
+                xs.append(float(record["step"]))
+                ys.append(value)
+        return xs, ys
+
+    def step_of(self, rank: int, times: list[float]) -> list[float] | None:
+        """Each time as a (fractional) step of `rank`, by interpolating its step records' end times;
+        None when the rank has too few steps. Times outside the stepped span become NaN."""
+        import numpy as np
+
+        records = [r for r in self.steps.get(rank, []) if as_float(r.get("t")) is not None]
+        if len(records) < 2:
+            return None
+        t = np.array([float(r["t"]) for r in records])
+        step = np.array([float(r["step"]) for r in records])
+        out = np.interp(times, t, step, left=np.nan, right=np.nan)
+        return [float(v) for v in out]
+
+    def step_time_s(self, rank: int) -> float | None:
+        times = [v for r in self.steps.get(rank, []) if (v := as_float(r.get("step_time_s")))]
+        return statistics.median(times) if times else None
+
+
+def _meta_device_totals(meta: dict[str, Any]) -> list[int]:
+    env = meta.get("env") or meta.get("environment") or {}  # both spellings are in use
+    return [d["total_memory_bytes"] for d in env.get("devices") or [] if d.get("total_memory_bytes")]
+
+
+def _warm(series: Series) -> Series:
+    """Drop the warm-up: the first WARMUP_STEPS steps (or none in time) and the first 10 % of the span."""
+    if not series.x:
+        return series
+    first, last = min(series.x), max(series.x)
+    skip = (WARMUP_STEPS if series.x_unit == "step" else 0.0) + WARMUP_FRACTION * (last - first)
+    keep = [(x, y) for x, y in zip(series.x, series.y, strict=True) if x >= first + skip]
+    return Series(
+        x=[x for x, _ in keep],
+        y=[y for _, y in keep],
+        **{k: getattr(series, k) for k in ("x_unit", "metric", "source", "pid", "host")},
+    )
+
+
+def _trend(series: Series) -> Trend | None:
+    warm = _warm(series)
+    return robust_trend(warm.x, warm.y) if len(warm.x) >= MIN_POINTS else None
+
+
+def _grows(trend: Trend, min_bytes: float) -> bool:
+    floor = max(min_bytes, LEAK_MIN_FRACTION * abs(trend.y_start))
+    return trend.z >= LEAK_Z and trend.r2 >= LEAK_R2 and trend.growth >= floor
+
+
+def _slope_evidence(trend: Trend, unit: str) -> dict[str, Any]:
+    key = "slope_bytes_per_step" if unit == "step" else "slope_bytes_per_s"
+    return {
+        key: round(trend.slope, 1),
+        f"growth_mb_per_{unit}": round(trend.slope / MIB, 4),
+        "r2": round(trend.r2, 3),
+        "mann_kendall_z": round(trend.z, 2),
+        "points": trend.n,
+    }
+
+
+def _memwatch_series(data: _Data, rank: int, samples: list[dict[str, Any]], metric: str) -> Series:
+    points = [(s["t"], s[metric]) for s in samples if s.get(metric) is not None]
+    times = [t for t, _ in points]
+    steps = data.step_of(rank, times)
+    if steps is not None and sum(not math.isnan(x) for x in steps) >= MIN_POINTS:
+        keep = [(x, y) for x, (_, y) in zip(steps, points, strict=True) if not math.isnan(x)]
+        x, y, unit = [k[0] for k in keep], [k[1] for k in keep], "step"
+    else:
+        x, y, unit = [t - times[0] for t in times] if times else [], [p[1] for p in points], "s"
+    pid = samples[0]["pid"] if samples else None
+    host = samples[0].get("host") if samples else None
+    return Series(x=x, y=y, x_unit=unit, metric=metric, source="memwatch", pid=pid, host=host)
+
+
+def _host_series(data: _Data, rank: int) -> Series | None:
+    samples = data.rank_samples(rank)
+    for metric in HOST_METRICS:
+        if sum(s.get(metric) is not None for s in samples) >= MIN_POINTS:
+            return _memwatch_series(data, rank, samples, metric)
+    for metric in ("uss", "rss"):
+        x, y = data.steps_field(rank, metric)
+        if len(x) >= MIN_POINTS:
+            host = data.steps[rank][0].get("host")
+            return Series(x=x, y=y, x_unit="step", metric=metric, source="steps", host=host)
+    return None
+
+
+def _device_series(data: _Data, rank: int) -> Series | None:
+    x, y = data.steps_field(rank, "mem_allocated")
+    if len(x) >= MIN_POINTS:
+        host = data.steps[rank][0].get("host")
+        return Series(x=x, y=y, x_unit="step", metric="mem_allocated", source="steps", host=host)
+    samples = data.rank_samples(rank)
+    if sum(s.get("gpu_bytes") is not None for s in samples) >= MIN_POINTS:
+        return _memwatch_series(data, rank, samples, "gpu_bytes")
+    return None
+
+
+def _device_limit(data: _Data, rank: int) -> tuple[int | None, float | None]:
+    """(device total, bytes the rank holds now) from NVML samples, else meta and the steps."""
+    samples = data.rank_samples(rank)
+    totals = [s["gpu_total_bytes"] for s in samples if s.get("gpu_total_bytes")]
+    total = totals[-1] if totals else (min(data.device_totals) if data.device_totals else None)
+    held = [s["gpu_bytes"] for s in samples if s.get("gpu_bytes") is not None]
+    if not held:
+        held = data.steps_field(rank, "mem_reserved")[1] or data.steps_field(rank, "mem_allocated")[1]
+    return total, (held[-1] if held else None)
+
+
+def _leaks(data: _Data) -> list[Finding]:
+    findings: list[Finding] = []
+    for kind, make in (("host", _host_series), ("device", _device_series)):
+        fits = [(rank, s, _trend(s)) for rank in data.ranks() if (s := make(data, rank)) is not None]
+        if not fits:
+            why = (
+                "no per-rank host memory series (needs memwatch samples or steps with rss/uss)"
+                if kind == "host"
+                else "no device memory series: steps carry no mem_allocated (a CPU run?) and NVML gave no "
+                f"per-process figures ({data.gpu_absent_reason()})"
+            )
+            findings.append(_not_run("memory_leak", why, kind=kind))
+            continue
+        leaking = [(r, s, t) for r, s, t in fits if t is not None and _grows(t, LEAK_MIN_BYTES)]
+        # ranks on one host share its available memory: they run it out together
+        shared_slope: dict[tuple[str | None, str], float] = {}
+        for _, s, t in leaking:
+            shared_slope[(s.host, s.x_unit)] = shared_slope.get((s.host, s.x_unit), 0.0) + t.slope
+        for rank, series, trend in fits:
+            findings.append(
+                _leak_finding(
+                    data, kind=kind, rank=rank, series=series, trend=trend, shared_slope=shared_slope
+                )
+            )
+    return findings
+
+
+def _leak_finding(
+    data: _Data,
+    *,
+    kind: str,
+    rank: int,
+    series: Series,
+    trend: Trend | None,
+    shared_slope: dict[tuple[str | None, str], float],
+) -> Finding:
+    where = {"rank": rank, **({"host": series.host} if series.host else {})}
+    base = {"kind": kind, "metric": series.metric, "source": series.source, "pid": series.pid}
+    unit = series.x_unit
+    if trend is None:
+        return _not_run(
+            "memory_leak", f"too few points after warm-up on rank {rank} ({kind})", where=where, **base
+        )
+    evidence = {
+        **base,
+        **_slope_evidence(trend, unit),
+        "level_start_bytes": round(trend.y_start),
+        "level_end_bytes": round(trend.y_end),
+        f"{'steps' if unit == 'step' else 'seconds'}_observed": round(trend.x_last - trend.x_first, 2),
+    }
+    if not _grows(trend, LEAK_MIN_BYTES):
+        return Finding(
+            probe=PROBE,
+            check="memory_leak",
+            verdict="pass",
+            summary=f"rank {rank} {kind} memory ({series.metric}) shows no leak: "
+            f"{trend.slope / MIB:+.3f} MiB/{unit}, R² {trend.r2:.2f}, trend z {trend.z:.1f}",
+            evidence=evidence,
+            where=where,
+        )
+    if kind == "host":
+        samples = data.rank_samples(rank)
+        available = [s["sys_available_bytes"] for s in samples if s.get("sys_available_bytes")]
+        limit = available[-1] if available else None
+        headroom = limit
+        slope = shared_slope.get((series.host, unit), trend.slope)
+    else:
+        limit, held = _device_limit(data, rank)
+        headroom = None if limit is None or held is None else max(0.0, limit - held)
+        slope = trend.slope
+    evidence["limit_bytes"] = limit
+    evidence["headroom_bytes"] = None if headroom is None else round(headroom)
+    left = None if headroom is None else headroom / slope
+    seconds_left = left if unit == "s" else None
+    if unit == "step":
+        evidence["projected_oom_step"] = None if left is None else math.floor(trend.x_last + left)
+        step_s = data.step_time_s(rank)
+        seconds_left = None if left is None or step_s is None else left * step_s
+    evidence["projected_oom_s"] = None if seconds_left is None else round(seconds_left, 1)
+    verdict = "fail" if seconds_left is not None and seconds_left <= FAIL_HORIZON_S else "warn"
+    when = "" if seconds_left is None else f"; runs out in about {seconds_left / 3600:.1f} h"
+    if unit == "step" and left is not None:
+        when += f" (step {evidence['projected_oom_step']})"
+    return Finding(
+        probe=PROBE,
+        check="memory_leak",
+        verdict=verdict,
+        summary=f"rank {rank} {kind} memory ({series.metric}) grows {trend.slope / MIB:.3f} MiB/{unit} "
+        f"(R² {trend.r2:.2f}){when}",
+        evidence=evidence,
+        where=where,
+    )
+
+
+def _not_run(check: str, why: str, *, where: dict[str, Any] | None = None, **evidence: Any) -> Finding:
+    return Finding(
+        probe=PROBE, check=check, verdict="not_run", summary=why, evidence=evidence, where=where or {}
+    )
+
+
+def _workers(data: _Data) -> list[Finding]:
+    """Per rank: USS of each DataLoader worker over time (copy-on-read shows as USS growth, flat RSS)."""
+    ranks = sorted({int(r.rsplit(" ", 1)[1]) for r in data.role_pids if r.startswith("worker of rank ")})
+    if not ranks:
+        return [_not_run("worker_memory_growth", "memwatch saw no DataLoader workers (no child of a rank)")]
+    findings = []
+    for rank in ranks:
+        fits = []
+        for pid in data.role_pids[f"worker of rank {rank}"]:
+            samples = data.by_pid[pid]
+            t0 = samples[0]["t"]
+            trends = {}
+            for metric in ("uss", "rss", "pss"):
+                points = [(s["t"] - t0, s[metric]) for s in samples if s.get(metric) is not None]
+                series = Series(
+                    x=[p[0] for p in points],
+                    y=[p[1] for p in points],
+                    x_unit="s",
+                    metric=metric,
+                    source="memwatch",
+                    pid=pid,
+                )
+                trends[metric] = _trend(series)
+            if trends["uss"] is not None:
+                fits.append((pid, trends))
+        where = {"rank": rank}
+        if not fits:
+            why = f"workers of rank {rank}: USS not readable or too few samples per worker (< {MIN_POINTS})"
+            findings.append(_not_run("worker_memory_growth", why, where=where))
+            continue
+        growing = [pid for pid, t in fits if _grows(t["uss"], WORKER_MIN_BYTES)]
+
+        def median_growth(metric: str, fits: list = fits) -> float | None:
+            values = [t[metric].growth for _, t in fits if t[metric] is not None]
+            return statistics.median(values) / MIB if values else None
+
+        uss_mb, rss_mb = median_growth("uss"), median_growth("rss")
+        copy_on_read = uss_mb > 0 and (rss_mb is None or rss_mb < 0.5 * uss_mb)
+        evidence = {
+            "workers": len(fits),
+            "growing_workers": len(growing),
+            "pids": [pid for pid, _ in fits],
+            "uss_slope_bytes_per_s": round(statistics.median(t["uss"].slope for _, t in fits), 1),
+            "uss_growth_mb": round(uss_mb, 2),
+            "rss_growth_mb": None if rss_mb is None else round(rss_mb, 2),
+            "pss_growth_mb": None if (pss := median_growth("pss")) is None else round(pss, 2),
+            "total_uss_growth_mb": round(sum(t["uss"].growth for _, t in fits) / MIB, 2),
+            "pattern": "copy_on_read" if copy_on_read else "private_growth",
+        }
+        if 2 * len(growing) >= len(fits):
+            how = (
+                "USS grows while RSS stays flat: copy-on-read of the dataset's Python objects (refcount "
+                "writes un-share forked pages); keep them in numpy arrays, bytes or Arrow instead of lists "
+                "of objects"
+                if copy_on_read
+                else "RSS grows with USS: the workers allocate (a cache in the Dataset?)"
+            )
+            summary = (
+                f"{len(growing)} of {len(fits)} workers of rank {rank} grow ~{uss_mb:.0f} MiB each: {how}"
+            )
+            findings.append(
+                Finding(
+                    probe=PROBE,
+                    check="worker_memory_growth",
+                    verdict="warn",
+                    summary=summary,
+                    evidence=evidence,
+                    where=where,
+                )
+            )
+        else:
+            summary = f"workers of rank {rank}: USS flat (median {uss_mb:+.1f} MiB over the watch)"
+            findings.append(
+                Finding(
+                    probe=PROBE,
+                    check="worker_memory_growth",
+                    verdict="pass",
+                    summary=summary,
+                    evidence=evidence,
+                    where=where,
+                )
+            )
+    return findings
+
+
+def analyze(run: RunDir) -> list[Finding]:
+    """Every memory check that the run's records allow; the others say not_run and why."""
+    from ciuic_doctor.analysis._memory_cuda import cuda_findings
+
+    data = _Data(run)
+    return [*_leaks(data), *cuda_findings(data), *_workers(data)]

@@ -15,6 +15,7 @@ Not testable without a GPU; `leak_suspected` is, and is tested.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections import deque
 from typing import Any
@@ -37,7 +38,7 @@ def leak_suspected(allocated: list[int]) -> bool:
     if len(allocated) < WINDOW + 1:
         return False
     window = allocated[-(WINDOW + 1) :]
-    rises = sum(b > a for a, b in zip(window, window[1:], strict=False))
+    rises = sum(b > a for a, b in itertools.pairwise(window))
     return rises >= RISING_FRACTION * WINDOW and window[-1] - window[0] >= MIN_GROWTH_BYTES
 
 

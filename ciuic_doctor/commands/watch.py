@@ -52,23 +52,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
     parser.add_argument(
-        "command",
+        "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
         metavar="-- script.py [args] | -- -m module [args]",
         help="the training script and its arguments",
     )
 
 
+def _check_target(argv: list[str]) -> None:
+    """Refuse a missing script or module before anything is recorded (one line, exit 2)."""
+    import importlib.util
+
+    from ciuic_doctor.errors import UserError
+
+    if argv[0] != "-m":
+        if not Path(argv[0]).is_file():
+            raise UserError(f"{argv[0]}: no such script")
+        return
+    if len(argv) < 2:
+        raise UserError("-m needs a module name")
+    try:
+        found = importlib.util.find_spec(argv[1])
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise UserError(f"-m {argv[1]}: no such module")
+
+
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.errors import UserError
 
-    argv = list(args.command)
+    argv = list(args.script_argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
         raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
-    if argv[0] != "-m" and not Path(argv[0]).is_file():
-        raise UserError(f"{argv[0]}: no such script")
+    _check_target(argv)
 
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach

@@ -27,7 +27,7 @@ from ciuic_doctor.units import format_size_short
 INK = "#010203"  # placeholder for currentColor; no real plot uses this exact colour
 # Mid-tone colours that read on white and on near-black alike (Okabe-Ito, colour-blind safe).
 PALETTE = ("#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4e9", "#d55e00", "#999999", "#f0e442")
-MAX_POINTS = 1500
+MAX_POINTS = 600  # per line: more than a ~900 px wide plot can show
 _PROLOG = re.compile(r"^.*?(?=<svg)", re.DOTALL)
 _SIZE_ATTRS = re.compile(r'<svg([^>]*?) width="([\d.]+)pt" height="[^"]*"')
 _METADATA = re.compile(r"<metadata>.*?</metadata>", re.DOTALL)
@@ -77,7 +77,7 @@ def to_svg(fig: Any, name: str) -> str:
     plt = _pyplot()
     buf = io.StringIO()
     with matplotlib.rc_context({"svg.hashsalt": name}):  # ids unique per plot when several are inlined
-        fig.savefig(buf, format="svg", transparent=True, bbox_inches="tight", metadata={"Date": None})
+        fig.savefig(buf, format="svg", transparent=True, metadata={"Date": None})
     plt.close(fig)
     svg = _METADATA.sub("", _PROLOG.sub("", buf.getvalue(), count=1), count=1)
     svg = svg.replace(INK, "currentColor").replace(INK.upper(), "currentColor")
@@ -121,7 +121,9 @@ def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
     names = sorted(series)
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False, sharey=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False, sharey=False, layout="constrained"
+    )
     for ax, name in zip(axes.flat, names, strict=False):
         for algo, points in sorted(series[name].items()):
             xs = sorted(points)
@@ -136,7 +138,7 @@ def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
         ax.legend(fontsize=8)
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
-    fig.tight_layout()
+
     return to_svg(fig, "busbw vs message size per collective and algorithm")
 
 
@@ -167,7 +169,7 @@ def step_memory_plot(records: Sequence[dict[str, Any]], leaks: Sequence[Finding]
     if key is None:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 3.2))
+    fig, ax = plt.subplots(figsize=(9.5, 3.2), layout="constrained")
     for i, (rank, rows) in enumerate(_by_rank(records).items()):
         pts = [(r["step"], v) for r in rows if (v := _num(r, key)) is not None]
         if not pts:
@@ -195,7 +197,7 @@ def step_memory_plot(records: Sequence[dict[str, Any]], leaks: Sequence[Finding]
     ax.set_xlabel("step")
     ax.set_ylabel(f"{label} (MiB)")
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
+
     return to_svg(fig, f"memory ({label}) over steps per rank")
 
 
@@ -205,7 +207,7 @@ def step_time_plot(records: Sequence[dict[str, Any]]) -> str | None:
     if not any(_num(r, "step_time_s") is not None for rows in ranks.values() for r in rows):
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 2.8))
+    fig, ax = plt.subplots(figsize=(9.5, 2.8), layout="constrained")
     for rank, rows in ranks.items():
         pts = [(r["step"], v * 1e3) for r in rows if (v := _num(r, "step_time_s")) is not None]
         if pts:
@@ -214,7 +216,7 @@ def step_time_plot(records: Sequence[dict[str, Any]]) -> str | None:
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.legend(fontsize=8, ncol=4)
-    fig.tight_layout()
+
     return to_svg(fig, "step time per rank")
 
 
@@ -233,7 +235,12 @@ def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] 
         return None
     plt = _pyplot()
     fig, axes = plt.subplots(
-        len(panels), 1, figsize=(9.5, 2.0 * len(panels) + 0.4), sharex=True, squeeze=False
+        len(panels),
+        1,
+        figsize=(9.5, 2.0 * len(panels) + 0.4),
+        sharex=True,
+        squeeze=False,
+        layout="constrained",
     )
     skipped = [r["step"] for r in rows if r.get("skipped")]
     spikes = sorted(
@@ -273,7 +280,7 @@ def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] 
         if marks or spikes:
             ax.legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel(f"step (rank {next(iter(ranks))})")
-    fig.tight_layout()
+
     return to_svg(fig, "loss, grad norm and loss scale with spikes and skipped steps")
 
 
@@ -296,7 +303,7 @@ def memwatch_plot(samples: Sequence[dict[str, Any]]) -> str | None:
     if not series:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 3.0))
+    fig, ax = plt.subplots(figsize=(9.5, 3.0), layout="constrained")
     for role, pts in sorted(series.items())[:12]:
         pts.sort()
         xs, ys = _thin([p[0] for p in pts], [p[1] for p in pts])
@@ -304,7 +311,7 @@ def memwatch_plot(samples: Sequence[dict[str, Any]]) -> str | None:
     ax.set_xlabel("time (s)")
     ax.set_ylabel(f"{key.upper()} (MiB)")
     ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
+
     return to_svg(fig, f"memory ({key.upper()}) per process over time")
 
 
@@ -339,7 +346,9 @@ def loader_plot(records: Iterable[dict[str, Any]], recommended: dict[str, Any] |
     workers = sorted({w for w, _ in cells})
     prefetch = sorted({p for _, p in cells})
     grid = [[cells.get((w, p), float("nan")) for w in workers] for p in prefetch]
-    fig, ax = plt.subplots(figsize=(min(8, 2.0 + 0.8 * len(workers)), 1.0 + 0.5 * len(prefetch)))
+    fig, ax = plt.subplots(
+        figsize=(min(8, 2.0 + 0.8 * len(workers)), 1.0 + 0.5 * len(prefetch)), layout="constrained"
+    )
     image = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
     top = max(cells.values()) or 1.0
     for yi, p in enumerate(prefetch):
@@ -374,5 +383,5 @@ def loader_plot(records: Iterable[dict[str, Any]], recommended: dict[str, Any] |
     ax.set_ylabel("prefetch_factor")
     ax.grid(False)
     fig.colorbar(image, ax=ax, label="samples/s")
-    fig.tight_layout()
+
     return to_svg(fig, "DataLoader throughput map")

@@ -142,6 +142,8 @@ def _matching(evidence: dict[str, Any], key: str, value: Any) -> dict[str, Any] 
     if recommended.get(key) == value:
         return recommended
     best = as_float((evidence.get("best") or {}).get("samples_per_s"))
+    if not best:
+        return None  # nothing was measured to be within the noise of
     margin = (as_float(evidence.get("noise_margin_pct")) or 0.0) / 100
     for config in evidence.get("configs") or []:
         rate = as_float(config.get("samples_per_s")) if isinstance(config, dict) else None

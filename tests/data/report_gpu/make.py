@@ -170,6 +170,12 @@ def loader_rows() -> tuple[list[dict], list[dict]]:
                         "config": cfg,
                         "round": 1,
                         "samples_per_s": round(r, 1),
+                        "samples": 4096,
+                        "elapsed_s": round(4096 / r, 4),
+                        "group_s": [round(4096 / r / 8 * (1 + d), 5) for d in (-0.01, 0.0, 0.01, 0.005)] * 2,
+                        "batch_bytes": 4 * 4096 * 8,
+                        "eligible": workers <= 6,
+                        "is_current": cfg == "w4-p2-pin",
                         "batch_latency_p50_ms": round(16000 / r, 2),
                         "batch_latency_p99_ms": round(30000 / r, 2),
                         **settings,
@@ -502,7 +508,19 @@ def main() -> None:
         write_jsonl(f"steps.rank{rank}.jsonl", step_rows(rng, rank))
     write_jsonl("memwatch.jsonl", memwatch_rows(rng))
     loader, configs = loader_rows()
-    write_jsonl("loader.jsonl", [{"schema": 1, "t": T0 + 19, "kind": "sweep", "sweep": 1}, *loader])
+    header = {
+        "schema": 1,
+        "t": T0 + 19,
+        "host": HOSTS[0],
+        "kind": "sweep",
+        "sweep": 1,
+        "batch_size": 4,
+        "cpu_budget_per_rank": 6,
+        "local_world_size": 4,
+        "lightning_rule_workers": 3,
+        "current": {"num_workers": 4, "prefetch_factor": 2, "pin_memory": True, "persistent_workers": True},
+    }
+    write_jsonl("loader.jsonl", [header, *loader])
     write_jsonl(
         "checkpoint.jsonl",
         [

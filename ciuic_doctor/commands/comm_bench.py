@@ -1,0 +1,250 @@
+"""Benchmark the collectives a distributed job uses (all_reduce, all_gather, reduce_scatter, broadcast,
+all_to_all) the way nccl-tests does, on the ranks you launch them on.
+
+Under torchrun every rank runs it:
+    torchrun --nproc-per-node 8 -m ciuic_doctor comm-bench
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m ciuic_doctor comm-bench
+Outside torchrun it starts --nproc local ranks itself through torch's elastic launcher.
+
+Rank 0 prints an nccl-tests-style table (time, algbw, busbw, #wrong per size) and writes one record per
+(collective, algorithm, size, placement) to RUN/comm.jsonl. On NCCL all_reduce runs once per --algos entry
+(default ring,tree), each in a fresh communicator created under NCCL_ALGO. Exit code 1 when any element
+is wrong, when the average busbw of a table is below 0.9 x --min-busbw, or when a rank dies or hangs
+(one message names it). Test hooks: CIUIC_COMM_FAULT=RANK:BYTES:exit|kill|hang, CIUIC_COMM_CORRUPT_RANK=R.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+
+NAME = "comm-bench"
+HELP = "nccl-tests-style collective benchmark (busbw, #wrong, ring vs tree) under torchrun"
+ORDER = 20
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+ALGOS = ("ring", "tree", "nvls", "nvlstree", "collnetdirect", "collnetchain", "pat", "default")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
+# Set for the ranks `launch_local` starts: they leave the one failure line to the parent, which reads
+# it from meta.json, instead of printing it a second time.
+PARENT_ENV = "CIUIC_COMM_PARENT_REPORTS"
+
+
+def _parse_list(option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    from ciuic_doctor.errors import UserError
+
+    items = [item.strip().lower().replace("-", "_") for item in text.split(",") if item.strip()]
+    if allowed is ALGOS:
+        items = [item.replace("_", "") for item in items]
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        raise UserError(
+            f"{option}: unknown {', '.join(unknown) or 'empty list'}; choose from {','.join(allowed)}"
+        )
+    return list(dict.fromkeys(items))
+
+
+def _parse(args: argparse.Namespace) -> None:
+    """Sizes and lists are parsed here, not by argparse, so a mistake is one line (UserError), not a
+    usage block."""
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.units import parse_size
+
+    for option in ("min_bytes", "max_bytes", "bucket_bytes"):
+        flag = "--" + option.replace("_", "-")
+        try:
+            value = parse_size(getattr(args, option))
+        except UserError as exc:
+            raise UserError(f"{flag}: {exc}") from None
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1 byte")
+        setattr(args, option, value)
+    args.collectives = _parse_list("--collectives", args.collectives, COLLECTIVES)
+    args.algos = _parse_list("--algos", args.algos, ALGOS) if args.algos else None
+    if args.min_bytes > args.max_bytes:
+        raise UserError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if args.step_factor <= 1 and args.min_bytes != args.max_bytes:
+        raise UserError(f"--step-factor must be greater than 1, got {args.step_factor:g}")
+    if args.warmup < 0:
+        raise UserError(f"--warmup must not be negative, got {args.warmup}")
+    if args.root < 0:
+        raise UserError(f"--root must be a rank (0 or more), got {args.root}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sizes = parser.add_argument_group("sizes (K/M/G are powers of 1024, as in nccl-tests)")
+    sizes.add_argument("-b", "--min-bytes", default="1K", metavar="SIZE", help="default 1K")
+    sizes.add_argument("-e", "--max-bytes", default="64M", metavar="SIZE", help="default 64M")
+    sizes.add_argument(
+        "-f",
+        "--step-factor",
+        type=positive_float,
+        default=2.0,
+        metavar="F",
+        help="size multiplier (default 2)",
+    )
+    what = parser.add_argument_group("what to measure")
+    what.add_argument(
+        "--collectives",
+        default=",".join(COLLECTIVES),
+        metavar="LIST",
+        help=f"comma list (default all: {','.join(COLLECTIVES)})",
+    )
+    what.add_argument("-d", "--dtype", choices=DTYPES, default="float32", help="default float32")
+    what.add_argument(
+        "--algos",
+        default=None,
+        metavar="LIST",
+        help="NCCL_ALGO values to compare for all_reduce, each in a fresh communicator "
+        "(default ring,tree on NCCL; 'default' = NCCL's own choice; gloo has one algorithm)",
+    )
+    what.add_argument("--root", type=int, default=0, help="broadcast root rank (default 0)")
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "-w", "--warmup", type=int, default=2, metavar="N", help="warm-up calls per size (default 2)"
+    )
+    timing.add_argument(
+        "-n",
+        "--iters",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="timed calls per size (default: --time-budget)",
+    )
+    timing.add_argument(
+        "--time-budget",
+        type=positive_float,
+        default=0.15,
+        metavar="S",
+        help="without --iters: time about S seconds per size and placement, 5 to 1000 calls (default 0.15)",
+    )
+    checks = parser.add_argument_group("checks and limits")
+    checks.add_argument(
+        "--min-busbw",
+        type=positive_float,
+        default=None,
+        metavar="GBPS",
+        help="fail when a table's average busbw is below 0.9 x GBPS (nccl-tests' convention)",
+    )
+    checks.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=120.0,
+        metavar="S",
+        help="process-group timeout: a dead or hung rank ends the run within it (default 120)",
+    )
+    checks.add_argument(
+        "--bucket-bytes",
+        default="25M",
+        metavar="SIZE",
+        help="the job's gradient-bucket size, where ring vs tree is judged (default 25M: DDP's default)",
+    )
+    launch = parser.add_argument_group("launch (outside torchrun)")
+    launch.add_argument(
+        "--nproc",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="local ranks to start (default: one per GPU, else 2); ignored under torchrun",
+    )
+    add_out(parser)
+
+
+def _forwarded_argv(args: argparse.Namespace) -> list[str]:
+    """The same options, spelled out, for the ranks `launch_local` starts."""
+    argv = [
+        NAME,
+        f"--min-bytes={args.min_bytes}",
+        f"--max-bytes={args.max_bytes}",
+        f"--step-factor={args.step_factor!r}",
+        f"--collectives={','.join(args.collectives)}",
+        f"--dtype={args.dtype}",
+        f"--root={args.root}",
+        f"--warmup={args.warmup}",
+        f"--time-budget={args.time_budget!r}",
+        f"--timeout={args.timeout!r}",
+        f"--bucket-bytes={args.bucket_bytes}",
+    ]
+    if args.algos:
+        argv.append(f"--algos={','.join(args.algos)}")
+    if args.iters:
+        argv.append(f"--iters={args.iters}")
+    if args.min_busbw is not None:
+        argv.append(f"--min-busbw={args.min_busbw!r}")
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.launch import in_torchrun
+
+    _parse(args)
+    if in_torchrun():
+        return _run_rank(args)
+    return _run_local(args)
+
+
+def _run_rank(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from ciuic_doctor.errors import ProbeFailed, UserError
+    from ciuic_doctor.probes.comm_bench import BenchConfig, run_bench
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.root >= world:
+        raise UserError(f"--root {args.root} is not a rank of this {world}-rank job")
+    cfg = BenchConfig(
+        collectives=args.collectives,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        step_factor=args.step_factor,
+        dtype=args.dtype,
+        warmup=args.warmup,
+        iters=args.iters,
+        time_budget_s=args.time_budget,
+        algos=args.algos,
+        timeout_s=args.timeout,
+        min_busbw_gbps=args.min_busbw,
+        bucket_bytes=args.bucket_bytes,
+        root=args.root,
+        out=args.out,
+        argv=sys.argv[1:],
+    )
+    try:
+        return run_bench(cfg)
+    except ProbeFailed:
+        if os.environ.get(PARENT_ENV):
+            return 1
+        raise
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from ciuic_doctor.errors import ProbeFailed
+    from ciuic_doctor.launch import launch_local
+    from ciuic_doctor.store import RunDir, default_run_path
+
+    nproc = args.nproc or _default_nproc()
+    if args.root >= nproc:
+        from ciuic_doctor.errors import UserError
+
+        raise UserError(f"--root {args.root} is not a rank of a {nproc}-rank run")
+    run = RunDir.create(default_run_path(NAME, args.out))
+    try:
+        launch_local(nproc, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})
+    except ProbeFailed:
+        # The ranks wrote what went wrong (wrong elements, a dead rank) to meta.json; their words say
+        # more than the launcher's "rank 0 failed (exit code 1)".
+        entry = run.read_meta().get("probes", {}).get(NAME, {})
+        if entry.get("message"):
+            raise ProbeFailed(f"{entry['message']}; records in {run.path / 'comm.jsonl'}") from None
+        raise
+    print(f"comm-bench: results in {run.path} (records: comm.jsonl; next: ciuic-doctor analyze {run.path})")
+    return 0
+
+
+def _default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2

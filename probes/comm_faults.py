@@ -1,0 +1,217 @@
+"""Name the rank that died or hung, once, instead of leaving every survivor with a socket error.
+
+Every rank publishes through the rendezvous store (which the torchrun agent hosts, so it outlives any
+worker) a heartbeat counter, bumped by a thread every HEARTBEAT_S, and the row it is on. When a
+collective fails on a survivor — a peer's socket closed (it died) or the process-group timeout
+expired (it hung) — the survivor watches the heartbeats for DEAD_AFTER_S: a rank whose counter does
+not move is dead; a live rank still on an earlier row is hung. The first survivor to decide writes
+its one-line verdict to the store (compare_set), prints it and exits non-zero; the others exit
+quietly, so the user reads one message naming the rank and host.
+
+The same thread is a watchdog for hangs the backend cannot see (a stuck device sync): no progress for
+the timeout plus a grace period ends the process with the same diagnosis.
+
+Test hook (documented, off unless set): CIUIC_COMM_FAULT="RANK:BYTES:ACTION" makes rank RANK, before its
+first row of BYTES bytes, `exit` (os._exit(3)), `kill` (SIGKILL itself) or `hang` (block forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+HEARTBEAT_S = 0.5
+DEAD_AFTER_S = 4 * HEARTBEAT_S  # four missed beats: a live rank, even on a loaded machine, beats by then
+STALL_GRACE_S = 10.0  # beyond the process-group timeout, so the backend's own timeout reports first
+FAULT_ENV = "CIUIC_COMM_FAULT"
+_PREFIX = "ciuic_comm/"
+
+
+class Terminated(Exception):
+    """SIGTERM arrived (the launcher stops the survivors when one worker fails, or the user stops it)."""
+
+
+def default_store() -> Any | None:
+    """The rendezvous store of the default process group, or None when it cannot be reached."""
+    try:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(_PREFIX, dist.distributed_c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+@dataclass(kw_only=True)
+class Watch:
+    """Heartbeat, progress and the single failure report for one rank of the benchmark."""
+
+    store: Any | None
+    rank: int
+    world_size: int
+    hosts: list[str]
+    timeout_s: float
+    row: int = 0
+    label: str = "start-up"
+    _last_progress: float = field(default_factory=time.monotonic)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _reported: threading.Lock = field(default_factory=threading.Lock)
+    _beats: int = 0
+    _diagnosing: bool = False
+
+    def start(self) -> None:
+        self._publish()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        threading.Thread(target=self._beat, name="ciuic-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def step(self, label: str) -> None:
+        """Entering a new row: tell the other ranks where this one is."""
+        self.row += 1
+        self.label = label
+        self.tick()
+        self._publish()
+
+    def tick(self) -> None:
+        self._last_progress = time.monotonic()
+
+    # ---- the background thread ---------------------------------------------------------------
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # While diagnosing, finish the one message first: the launcher SIGTERMs every survivor as soon
+        # as one worker exits, and waits (30 s in torch elastic) before it escalates to SIGKILL.
+        if not self._diagnosing:
+            raise Terminated("terminated by SIGTERM")
+
+    def _publish(self) -> None:
+        if self.store is None:
+            return
+        with contextlib.suppress(Exception):  # the store's host may be gone: nothing to tell then
+            self.store.set(f"progress/{self.rank}", f"{self.row}|{self.label}")
+            self.store.set(f"beat/{self.rank}", str(self._beats))
+
+    def _beat(self) -> None:
+        stall_after = self.timeout_s + STALL_GRACE_S
+        while not self._stop.wait(HEARTBEAT_S):
+            self._beats += 1
+            if self.store is not None:
+                with contextlib.suppress(Exception):
+                    self.store.set(f"beat/{self.rank}", str(self._beats))
+            if time.monotonic() - self._last_progress > stall_after:
+                message = self.report(f"no progress for {stall_after:.0f} s")
+                if message:
+                    print(f"ciuic-doctor comm-bench: FAILED: {message}", file=sys.stderr, flush=True)
+                os._exit(1)
+
+    # ---- diagnosis ---------------------------------------------------------------------------
+    def _read(self, kind: str) -> dict[int, str]:
+        values: dict[int, str] = {}
+        if self.store is None:
+            return values
+        for r in range(self.world_size):
+            key = f"{kind}/{r}"
+            with contextlib.suppress(Exception):
+                if self.store.check([key]):
+                    values[r] = self.store.get(key).decode()
+        return values
+
+    def _where(self, r: int) -> str:
+        host = self.hosts[r] if r < len(self.hosts) else "?"
+        return f"rank {r} on {host}"
+
+    def diagnose(self, error: str) -> str:
+        """One line naming the dead or hung rank(s), after watching their heartbeats."""
+        if self.store is None:
+            return f"{self.label} failed and the rendezvous store is unreachable: {error}"
+        first = self._read("beat")
+        alive = {self.rank}
+        deadline = time.monotonic() + DEAD_AFTER_S
+        while time.monotonic() < deadline and len(alive) < self.world_size:
+            time.sleep(HEARTBEAT_S / 2)
+            now = self._read("beat")
+            alive |= {r for r, v in now.items() if first.get(r) != v}
+        dead = [r for r in range(self.world_size) if r not in alive]
+        if dead:
+            who = ", ".join(self._where(r) for r in dead)
+            return f"{who} died during {self.label} (no heartbeat for {DEAD_AFTER_S:.0f} s)"
+        progress = self._read("progress")
+        behind = []
+        for r, value in sorted(progress.items()):
+            row, _, label = value.partition("|")
+            if r != self.rank and row.isdigit() and int(row) < self.row:
+                behind.append(f"{self._where(r)} stopped making progress (last seen at {label})")
+        if behind:
+            return (
+                f"{'; '.join(behind)}: it never joined {self.label} within the {self.timeout_s:g} s --timeout"
+            )
+        return f"{self.label} failed on {self._where(self.rank)}; every rank is alive: {error}"
+
+    def stored_failure(self) -> str | None:
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):
+            if self.store.check(["failure"]):
+                return self.store.get("failure").decode() or None
+        return None
+
+    def report(self, error: str) -> str | None:
+        """Diagnose once; return the message if this rank is the one to print it, else None."""
+        with self._reported:
+            self._diagnosing = True
+            if self.stored_failure():  # another survivor has already said it
+                return None
+            message = self.diagnose(error)
+            if self.store is None:
+                return message
+            try:
+                current = self.store.compare_set("failure", "", message)
+            except Exception:  # the store is gone with its host: speak for ourselves
+                return message
+            current = current.decode() if isinstance(current, bytes) else str(current)
+            return message if current == message else None
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:300]
+
+
+@dataclass(kw_only=True, frozen=True)
+class Fault:
+    rank: int
+    bytes: int
+    action: str
+
+
+def fault_from_env() -> Fault | None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    rank, size, action = spec.split(":")
+    if action not in ("exit", "kill", "hang"):
+        raise ValueError(f"{FAULT_ENV}: action must be exit, kill or hang, not {action!r}")
+    return Fault(rank=int(rank), bytes=int(size), action=action)
+
+
+def inject(fault: Fault | None, rank: int, size_bytes: int) -> None:
+    """The test hook: die or hang here if CIUIC_COMM_FAULT says so."""
+    if fault is None or fault.rank != rank or fault.bytes != size_bytes:
+        return
+    print(
+        f"[test hook {FAULT_ENV}] rank {rank}: {fault.action} at {size_bytes} bytes",
+        file=sys.stderr,
+        flush=True,
+    )
+    if fault.action == "exit":
+        os._exit(3)
+    if fault.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Event().wait()  # hang: block forever, heartbeat thread still beating

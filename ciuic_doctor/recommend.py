@@ -89,6 +89,17 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def environment_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The environment capture in meta.json. Probes write it under "env" or "environment" (with or without
+    torch's view of CUDA/NCCL); merge both, a known value winning over a missing one."""
+    merged: dict[str, Any] = {}
+    for key in ("environment", "env"):
+        part = meta.get(key)
+        if isinstance(part, dict):
+            merged.update({k: v for k, v in part.items() if v is not None or k not in merged})
+    return merged
+
+
 @dataclass(kw_only=True)
 class Context:
     """What every rule sees: the job's current settings, the findings, and meta.json."""
@@ -110,8 +121,7 @@ class Context:
 
     @property
     def environment(self) -> dict[str, Any]:
-        env = self.meta.get("env") or self.meta.get("environment") or {}
-        return env if isinstance(env, dict) else {}
+        return environment_of(self.meta)
 
     @property
     def backend(self) -> str | None:
@@ -345,7 +355,11 @@ def rule_pg_timeout(ctx: Context, plan: Plan) -> None:
             current=current,
             evidence=evidence,
         )
-        verdict, summary = "pass", f"timeout {current:g} s ≥ {TIMEOUT_SAFETY_FACTOR:g}× longest wait"
+        verdict = "pass"
+        summary = (
+            f"timeout {current:g} s ≥ {TIMEOUT_SAFETY_FACTOR:g}× the longest measured wait "
+            f"({label}, {_fmt(longest)} s)"
+        )
     else:
         value = max(default_s, _nice_seconds(needed))
         _rec(

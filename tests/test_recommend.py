@@ -263,3 +263,35 @@ def test_recommended_toml_loads_back_with_the_values_applied(tmp_path, gpu_spec,
     assert spec.precision.init_scale == 8192.0
     assert spec.optim.lr_scaling == "sqrt"
     assert spec.job.name == gpu_spec.job.name
+
+
+@pytest.mark.parametrize("name", ["ciuic_doctor.recommend", "ciuic_doctor.report.html"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def test_environment_captures_under_both_keys_are_merged(meta):
+    from ciuic_doctor.recommend import environment_of
+
+    merged = environment_of(
+        {"environment": {"torch": "2.6", "nccl": "2.26.2"}, "env": {"torch": "2.6", "nccl": None}}
+    )
+    assert merged == {"torch": "2.6", "nccl": "2.26.2"}
+    assert environment_of(meta)["host"] == "gpu-node-01"
+
+
+def test_the_spec_the_job_recorded_is_the_current_settings(meta):
+    recorded = {
+        **meta,
+        "job": {**meta["spec"], "dataloader": {**meta["spec"]["dataloader"], "num_workers": 7}},
+    }
+    del recorded["spec"]
+    spec = spec_for_run(recorded, None)
+    assert spec.dataloader.num_workers == 7
+    assert spec.source == "meta.json (recorded by the job)"
+    assert spec_for_run({}, None).source == "default"

@@ -47,9 +47,11 @@ def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
     """--spec when given; else the spec the job recorded in meta.json; else the embedded default."""
     if path is not None:
         return load_spec(path)
-    recorded = meta.get("spec") or meta.get("job_spec")
+    # checkup records it as "spec", the job (which resolves --set and --spec) as "job"
+    candidates = [meta.get(k) for k in ("job", "spec", "job_spec")]
+    recorded = next((c for c in candidates if isinstance(c, dict) and "optim" in c), None)
     spec = load_spec()
-    if isinstance(recorded, dict):
+    if recorded is not None:
         sections = {k: v for k, v in recorded.items() if k in spec.to_dict() and isinstance(v, dict)}
         try:
             return replace(with_updates(spec, sections), source="meta.json (recorded by the job)")

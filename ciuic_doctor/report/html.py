@@ -19,7 +19,7 @@ from ciuic_doctor import __version__
 from ciuic_doctor.envinfo import redact_env, scrub
 from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec
-from ciuic_doctor.recommend import Plan, is_change, setting_kind
+from ciuic_doctor.recommend import Plan, environment_of, is_change, setting_kind
 from ciuic_doctor.report.sections import Section
 from ciuic_doctor.seed_tips import Tip
 
@@ -47,11 +47,6 @@ def show_value(value: Any, setting: str = "") -> str:
     if isinstance(value, dict):
         return ", ".join(f"{k}={show_value(v)}" for k, v in value.items())
     return str(value)
-
-
-def environment_of(meta: dict[str, Any]) -> dict[str, Any]:
-    env = meta.get("env") or meta.get("environment") or {}
-    return env if isinstance(env, dict) else {}
 
 
 def provenance(

@@ -107,14 +107,15 @@ def _num(record: dict[str, Any], key: str) -> float | None:
 
 
 def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
-    """busbw vs message size, one panel per collective, one line per algorithm (out-of-place rows)."""
-    series: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    """busbw vs message size, one panel per collective, one line per algorithm and placement (out-of-place
+    solid, in-place dashed: gloo runs some collectives in one placement only)."""
+    series: dict[str, dict[tuple[str, bool], dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in records:
         busbw, size = _num(r, "busbw_gbps"), r.get("bytes")
-        if busbw is None or not isinstance(size, int) or r.get("inplace"):
+        if busbw is None or not isinstance(size, int) or r.get("status", "ok") != "ok":
             continue
-        algo = str(r.get("algo") or r.get("algo_used") or "default")
-        series[_text(r.get("collective", "?"))][_text(algo)][size] = busbw
+        algo = _text(r.get("algo") or r.get("algo_used") or "default")
+        series[_text(r.get("collective", "?"))][(algo, bool(r.get("inplace")))][size] = busbw
     if not series:
         return None
     plt = _pyplot()
@@ -125,9 +126,19 @@ def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
         rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False, sharey=False, layout="constrained"
     )
     for ax, name in zip(axes.flat, names, strict=False):
-        for algo, points in sorted(series[name].items()):
+        algos = sorted({algo for algo, _ in series[name]})
+        for (algo, inplace), points in sorted(series[name].items()):
             xs = sorted(points)
-            ax.plot(xs, [points[x] for x in xs], marker="o", markersize=2.5, linewidth=1.4, label=algo)
+            ax.plot(
+                xs,
+                [points[x] for x in xs],
+                marker="o",
+                markersize=2.5,
+                linewidth=1.4,
+                linestyle="--" if inplace else "-",
+                color=PALETTE[algos.index(algo) % len(PALETTE)],
+                label=f"{algo} ({'in-place' if inplace else 'out-of-place'})",
+            )
         ax.set_xscale("log", base=2)
         ticks = sorted({x for pts in series[name].values() for x in pts})
         shown = ticks[:: max(1, len(ticks) // 5)]
@@ -138,7 +149,6 @@ def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
         ax.legend(fontsize=8)
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
-
     return to_svg(fig, "busbw vs message size per collective and algorithm")
 
 
@@ -156,11 +166,16 @@ def _by_rank(records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]
 
 
 def memory_field(records: Sequence[dict[str, Any]]) -> str | None:
-    """The memory series worth drawing: CUDA allocated when present, else USS (no shared pages), else RSS."""
-    for key in ("mem_allocated", "uss", "rss"):
-        if any((_num(r, key) or 0) > 0 for r in records):
-            return key
-    return None
+    """The memory series worth drawing: CUDA allocated when present; else USS (no shared pages) when it is
+    recorded about as often as RSS (watch may read USS only every few steps, it is slow); else RSS."""
+    coverage = {
+        key: sum(1 for r in records if (_num(r, key) or 0) > 0) for key in ("mem_allocated", "uss", "rss")
+    }
+    if coverage["mem_allocated"]:
+        return "mem_allocated"
+    if coverage["uss"] and coverage["uss"] >= 0.8 * coverage["rss"]:
+        return "uss"
+    return "rss" if coverage["rss"] else ("uss" if coverage["uss"] else None)
 
 
 def step_memory_plot(records: Sequence[dict[str, Any]], leaks: Sequence[Finding] = ()) -> str | None:

@@ -25,11 +25,14 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import signal
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import connection
 from typing import Any
+
+REAP_TIMEOUT_S = 10.0  # SIGKILL cannot be ignored; this only bounds a wait on a frozen kernel
 
 
 def watchdog_s(timeout_s: float) -> float:
@@ -59,10 +62,14 @@ class LoaderConfig:
 
 @dataclass(kw_only=True)
 class Plan:
-    """How long to measure: at least `min_groups` groups and about `window_s` seconds after warm-up."""
+    """How long to measure, at least `min_groups` groups after warm-up and then either a window of
+    `window_s` seconds, or whatever is left of a time slot of `slot_s` seconds for the whole measurement
+    (start-up and warm-up included: their cost differs between configurations and is not known before,
+    so a slot is what keeps a sweep inside its budget)."""
 
     batch_size: int
-    window_s: float
+    window_s: float | None = None
+    slot_s: float | None = None
     min_groups: int = 3
     timeout_s: float = 60.0
     step_ms: float = 0.0  # modelled accelerator step per batch: the CPU is free meanwhile, so a wait
@@ -177,6 +184,7 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         timeout=plan.timeout_s if workers else 0,
     )
     step_s = plan.step_ms / 1000.0
+    t_child = time.perf_counter()
 
     def fetch(iterator: Any) -> tuple[Any, float]:
         t0 = time.perf_counter()
@@ -191,6 +199,7 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
 
     t_start = time.perf_counter()
     iterator = iter(loader)
+    conn.send(("pids", _pids(iterator)))  # so the parent can wait for the workers' end after killing them
     first, _ = fetch(iterator)
     epoch_start_s = time.perf_counter() - t_start
     nbytes = batch_nbytes(first)
@@ -198,6 +207,10 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         fetch(iterator)
     pids = _pids(iterator)
     mem_before = _memory(pids)
+    if plan.window_s is not None:
+        target_s = plan.window_s
+    else:
+        target_s = max(0.0, (plan.slot_s or 0.0) - (time.perf_counter() - t_child))
     waits: list[float] = []
     group_s: list[float] = []
     t_window = t_group = time.perf_counter()
@@ -213,9 +226,9 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
             now = time.perf_counter()
             group_s.append(now - t_group)
             t_group = now
-            # Steer the window to about window_s by the mean group time so far (a single group can
+            # Steer the window to about target_s by the mean group time so far (a single group can
             # be served from the prefetch buffer and would mislead).
-            wanted = max(plan.min_groups, math.ceil(plan.window_s * len(group_s) / max(sum(group_s), 1e-6)))
+            wanted = max(plan.min_groups, math.ceil(target_s * len(group_s) / max(sum(group_s), 1e-6)))
             if sampler is not None:
                 sampler.end_after(warmup=warmup, group=group, groups=wanted)
             if iterable and len(group_s) >= wanted:
@@ -230,6 +243,7 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
     result: dict[str, Any] = {
         "status": "ok",
         "warmup_batches": warmup,
+        "window_target_s": round(target_s, 6),
         "window_batches": usable,
         "samples": usable * plan.batch_size,
         "elapsed_s": round(elapsed_groups, 6),
@@ -270,11 +284,22 @@ def _classify(message: str) -> str:
     return "error"
 
 
-def _kill_group(pid: int) -> None:
+def _kill_group(pid: int, workers: list[int]) -> None:
+    """SIGKILL the measuring child's process group (the child and its workers) and return only once
+    they are all dead, so no measurement's processes overlap the next one's."""
+    pidfds = []
+    for worker in workers:  # a pidfd turns readable when its process exits: an event, not a poll loop
+        with contextlib.suppress(OSError, AttributeError):
+            pidfds.append(os.pidfd_open(worker))
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+    deadline = time.monotonic() + REAP_TIMEOUT_S
+    for fd in pidfds:
+        with contextlib.suppress(OSError):
+            select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        os.close(fd)
 
 
 def _exit_reason(pid: int) -> str:
@@ -307,6 +332,7 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
     with contextlib.suppress(OSError):  # also here, so no race with the child's own setpgid
         os.setpgid(pid, pid)
     result: dict[str, Any]
+    workers: list[int] = []
     try:
         while True:
             if not receiver.poll(watchdog_s(plan.timeout_s)):
@@ -320,14 +346,16 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
             except EOFError:
                 result = {"status": "crashed", "error": _exit_reason(pid)}
                 break
-            if kind == "done":
+            if kind == "pids":
+                workers = payload
+            elif kind == "done":
                 result = payload
                 break
-            if kind == "error":
+            elif kind == "error":
                 result = {"status": _classify(payload), "error": payload}
                 break
     finally:
         receiver.close()
-        _kill_group(pid)
+        _kill_group(pid, workers)
     result["wall_s"] = round(time.perf_counter() - t0, 6)
     return result

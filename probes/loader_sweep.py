@@ -6,11 +6,13 @@ num_workers × prefetch_factor (× pin_memory where an accelerator exists); ever
 real DataLoader measured in a watched child process (`loader_measure`).
 
 Within the time budget the sweep does not run the whole grid at full length: it uses successive halving
-(Jamieson & Talwalkar 2016). Round 0 measures every configuration for a short window; each round keeps
-the best 1/eta (eta = 3) by `analysis.loader.halving_order` — those within noise of the leader, cheapest
-first — and measures the survivors again with a window eta times longer. Measurements of one
-configuration pool across rounds. Windows are planned from the budget and the overheads measured so far;
-no measurement starts after the budget is spent.
+(Jamieson & Talwalkar 2016). Round 0 measures every configuration in a short time slot; each round keeps
+the best 1/eta (eta = 3) by rate, plus the cheapest configuration within noise of the leader (the one
+the analysis would recommend; `analysis.loader.halving_keep`), and measures the survivors again with a
+slot eta times longer. Measurements of one configuration pool across rounds. A slot covers the whole
+measurement (worker start-up and warm-up included, which differ between configurations and are unknown
+beforehand), so the schedule is planned in slots from the remaining budget and what earlier slots
+overran; no measurement starts after the budget is spent.
 
 Records (stream `loader`, one line each, flushed as made): `kind=sweep` (the header: dataset, CPU budget,
 grid, current settings, /dev/shm), `kind=measure` (one per configuration per round, with its `round`),
@@ -30,15 +32,15 @@ from typing import Any
 
 from ciuic_doctor.probes.loader_measure import LoaderConfig, Plan, measure
 
-from ciuic_doctor.analysis.loader import halving_order, pool
+from ciuic_doctor.analysis.loader import halving_keep, pool
 from ciuic_doctor.store import RunDir
 
 PROBE = "loader-sweep"
 WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 DEFAULT_PREFETCH = (2, 4)  # PyTorch's default 2, and 4 for bursty per-sample costs
 ETA = 3  # keep a third per round: three rounds cover up to 27 configurations
-MIN_WINDOW_S = 0.15  # below this a window holds too few batches to rank anything
-OVERHEAD_GUESS_S = 0.3  # fork + worker start + warm-up, before the first measurement says otherwise
+MIN_SLOT_S = 0.3  # a slot shorter than this is mostly start-up and warm-up: nothing left to rank by
+OVERRUN_GUESS_S = 0.1  # fork, reap, and windows ending on whole groups, until measurements say otherwise
 BUDGET_USE = 0.9  # plan for 90 % of the budget: windows end on whole groups, which overshoots a little
 
 
@@ -67,15 +69,15 @@ def rounds_needed(n: int, eta: int = ETA) -> int:
     return 0 if n <= 1 else 1 + rounds_needed(math.ceil(n / eta), eta)
 
 
-def plan_window(remaining_s: float, n: int, overhead_s: float, eta: int = ETA) -> float:
-    """The window of the next round so the rest of the halving schedule fits `remaining_s`: round k
-    (from now) measures ceil(n / eta^k) configurations for window × eta^k seconds each, plus the
-    per-measurement overhead."""
+def plan_slot(remaining_s: float, n: int, overrun_s: float, eta: int = ETA) -> float:
+    """The slot of the next round so the rest of the halving schedule fits `remaining_s`: round k (from
+    now) measures ceil(n / eta^k) configurations in slots of slot × eta^k seconds, each overrunning its
+    slot by `overrun_s`."""
     counts = [n]
     while math.ceil(counts[-1] / eta) > 1:
         counts.append(math.ceil(counts[-1] / eta))
     weight = sum(c * eta**i for i, c in enumerate(counts))
-    return (remaining_s * BUDGET_USE - overhead_s * sum(counts)) / weight
+    return (remaining_s * BUDGET_USE - overrun_s * sum(counts)) / weight
 
 
 @dataclass(kw_only=True)
@@ -91,7 +93,7 @@ class SweepSettings:
     local_world_size: int = 1
     explicit_workers: bool = False  # --workers given: counts above the budget were asked for
     current: LoaderConfig | None = None
-    strategy: str = "halving"  # or "grid": every configuration once, window `grid_window_s`
+    strategy: str = "halving"  # or "grid": every configuration once (window `grid_window_s` if given)
     grid_window_s: float | None = None
     eta: int = ETA
     min_groups: int = 3
@@ -171,11 +173,9 @@ class Sweep:
         self.t0 = time.perf_counter()
         total_rounds = 1 if s.strategy == "grid" else max(1, rounds_needed(len(configs), s.eta))
         if s.strategy == "grid":
-            window = s.grid_window_s or max(
-                MIN_WINDOW_S, s.budget_s * BUDGET_USE / len(configs) - OVERHEAD_GUESS_S
-            )
+            slot = max(MIN_SLOT_S, s.budget_s * BUDGET_USE / len(configs) - OVERRUN_GUESS_S)
         else:
-            window = max(MIN_WINDOW_S, plan_window(s.budget_s, len(configs), OVERHEAD_GUESS_S, s.eta))
+            slot = max(MIN_SLOT_S, plan_slot(s.budget_s, len(configs), OVERRUN_GUESS_S, s.eta))
         stopped, survivors, round_no = "done", configs, 0
         with self.run_dir.writer("loader") as writer:
             self._write(
@@ -186,36 +186,33 @@ class Sweep:
                     "strategy": s.strategy,
                     "eta": s.eta,
                     "configs": [c.id for c in configs],
-                    "first_window_s": round(window, 4),
+                    "first_slot_s": round(slot, 4),
                 },
             )
             try:
                 while True:
-                    measured = self._round(writer, survivors, round_no, total_rounds, window)
+                    measured = self._round(writer, survivors, round_no, total_rounds, slot)
                     if s.strategy == "grid":
                         break
-                    alive = [
-                        p
-                        for p in halving_order(list(pool(self._measures()).values()))
-                        if p.config in {c.id for c in measured}
-                    ]
+                    measured_ids = {c.id for c in measured}
+                    alive = [p for p in pool(self._measures()).values() if p.config in measured_ids]
                     # Over-budget configurations (the job's current one) are measured once, never kept.
                     eligible = [p for p in alive if p.eligible]
                     if len(eligible) <= 1:
                         survivors = [c for c in measured if any(p.config == c.id for p in eligible)]
                         break
-                    keep = {p.config for p in eligible[: math.ceil(len(eligible) / s.eta)]}
+                    keep = {p.config for p in halving_keep(eligible, s.eta)}
                     survivors = [c for c in configs if c.id in keep]
-                    window_next = self._next_window(len(survivors), window) if len(keep) > 1 else 0.0
+                    slot_next = self._next_slot(len(survivors), slot) if len(keep) > 1 else 0.0
                     self._write(
                         writer,
                         {
                             "kind": "round",
                             "round": round_no,
-                            "window_s": round(window, 4),
+                            "slot_s": round(slot, 4),
                             "kept": sorted(keep),
                             "dropped": [c.id for c in measured if c.id not in keep],
-                            "next_window_s": round(window_next, 4),
+                            "next_slot_s": round(slot_next, 4),
                         },
                     )
                     if len(keep) <= 1:
@@ -223,12 +220,12 @@ class Sweep:
                         break
                     self.progress(
                         f"round {round_no + 1} done: kept {', '.join(sorted(keep))} "
-                        f"({len(keep)} of {len(measured)}); next window {window_next:.2f} s"
+                        f"({len(keep)} of {len(measured)}); next slot {slot_next:.2f} s"
                     )
-                    if window_next < MIN_WINDOW_S or self.elapsed() >= s.budget_s:
+                    if slot_next < MIN_SLOT_S or self.elapsed() >= s.budget_s:
                         stopped = "budget"
                         break
-                    window, round_no = window_next, round_no + 1
+                    slot, round_no = slot_next, round_no + 1
             except KeyboardInterrupt:
                 stopped = "interrupted"
                 raise
@@ -257,22 +254,23 @@ class Sweep:
     def _measures(self) -> list[dict[str, Any]]:
         return [r for r in self.records if r.get("kind") == "measure"]
 
-    def _next_window(self, n: int, window: float) -> float:
-        """Plan from the overheads measured so far (child wall time minus its window)."""
-        overheads = [
-            float(r["wall_s"]) - float(r.get("window_wall_s") or 0.0)
+    def _next_slot(self, n: int, slot: float) -> float:
+        """Plan the rest from the remaining budget and how far measurements overran their slots."""
+        overruns = [
+            max(0.0, float(r["wall_s"]) - float(r["slot_s"]))
             for r in self._measures()
-            if r.get("status") == "ok"
+            if r.get("status") == "ok" and r.get("slot_s")
         ]
-        overhead = statistics.median(overheads) if overheads else OVERHEAD_GUESS_S
-        planned = plan_window(self.settings.budget_s - self.elapsed(), n, overhead, self.settings.eta)
-        return min(planned, window * self.settings.eta)
+        overrun = statistics.median(overruns) if overruns else OVERRUN_GUESS_S
+        planned = plan_slot(self.settings.budget_s - self.elapsed(), n, overrun, self.settings.eta)
+        return min(planned, slot * self.settings.eta)
 
     def _round(
-        self, writer: Any, configs: list[LoaderConfig], round_no: int, total_rounds: int, window: float
+        self, writer: Any, configs: list[LoaderConfig], round_no: int, total_rounds: int, slot: float
     ) -> list[LoaderConfig]:
         s = self.settings
         measured = []
+        fixed_window = s.strategy == "grid" and s.grid_window_s is not None
         for index, cfg in enumerate(configs, 1):
             base = {
                 "kind": "measure",
@@ -281,7 +279,7 @@ class Sweep:
                 "over_budget": cfg.num_workers > s.cpu_budget_per_rank,
                 "eligible": s.eligible(cfg),
                 "is_current": cfg == s.current,
-                "window_s": round(window, 4),
+                "slot_s": None if fixed_window else round(slot, 4),
                 "started_s": round(self.elapsed(), 4),
             }
             if self.elapsed() >= s.budget_s:
@@ -289,7 +287,8 @@ class Sweep:
                 continue
             plan = Plan(
                 batch_size=s.batch_size,
-                window_s=window,
+                window_s=s.grid_window_s if fixed_window else None,
+                slot_s=None if fixed_window else slot,
                 min_groups=s.min_groups,
                 timeout_s=s.timeout_s,
                 step_ms=s.step_ms,

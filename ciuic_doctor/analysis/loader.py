@@ -13,7 +13,7 @@ Checks (stream `loader`, the last sweep in the run directory):
   local world size), which neither PyTorch's nor Lightning's warnings account for.
 - `loader_errors`: configurations whose workers crashed, raised or hung (DataLoader timeout / watchdog).
 
-Pure functions of records: no torch, no pandas. The sweep imports `pool` and `halving_order` from here,
+Pure functions of records: no torch, no pandas. The sweep imports `pool` and `halving_keep` from here,
 so the sweep drops configurations by the same noise rule the report judges them by.
 """
 
@@ -34,6 +34,10 @@ PROBE = "loader"
 # node differ by a few per cent. Wider when the windows themselves scatter (2 standard errors).
 NOISE_FLOOR = 0.03
 NOISE_SIGMAS = 2.0
+# Windows that scatter by more than this cannot rank anything (seen on 2 cores shared by busy
+# neighbours): the margin is capped here, so a config 5x slower is never "within noise", and the finding
+# says the measurement was noisy instead.
+MAX_NOISE_MARGIN = 0.25
 KNEE_FRACTION = 0.90  # the knee: the fewest workers that reach 90 % of the best rate
 PERSISTENT_SAVING_MIN_S = 0.01  # a persistent-workers saving smaller than 10 ms per epoch is not worth it
 CONFIG_KEYS = ("num_workers", "prefetch_factor", "pin_memory", "persistent_workers")
@@ -136,46 +140,60 @@ def pool(records: list[dict[str, Any]]) -> dict[str, Pooled]:
     return pooled
 
 
-def noise_margin(a: Pooled, b: Pooled) -> float:
-    """Relative difference below which a and b are not told apart."""
+def raw_noise_margin(a: Pooled, b: Pooled) -> float:
     return max(NOISE_FLOOR, NOISE_SIGMAS * math.hypot(a.rel_se, b.rel_se))
+
+
+def noise_margin(a: Pooled, b: Pooled) -> float:
+    """Relative difference below which a and b are not told apart (capped, see MAX_NOISE_MARGIN)."""
+    return min(MAX_NOISE_MARGIN, raw_noise_margin(a, b))
 
 
 def within_noise(candidate: Pooled, best: Pooled) -> bool:
     return candidate.samples_per_s >= best.samples_per_s * (1.0 - noise_margin(candidate, best))
 
 
-def halving_order(candidates: list[Pooled]) -> list[Pooled]:
-    """Survival order for successive halving: those within noise of the leader, cheapest first, then
-    the rest by rate. Among equals the cheap one survives, so the sweep ends on the configuration it
-    will recommend instead of on the one that was luckiest in a short window."""
+def halving_keep(candidates: list[Pooled], eta: int) -> list[Pooled]:
+    """Who survives a round of successive halving: the best ceil(n / eta) by rate, plus the cheapest
+    configuration within noise of the leader when rate alone would drop it. Among configurations the
+    sweep cannot tell apart it will recommend the cheapest, so that one must reach the last round too
+    (one extra measurement a round at most, and never one that would keep the round from shrinking)."""
     if not candidates:
         return []
-    leader = max(candidates, key=lambda p: p.samples_per_s)
-    close = sorted((p for p in candidates if within_noise(p, leader)), key=lambda p: p.cost)
-    rest = sorted((p for p in candidates if not within_noise(p, leader)), key=lambda p: -p.samples_per_s)
-    return close + rest
+    ranked = sorted(candidates, key=lambda p: -p.samples_per_s)
+    kept = ranked[: math.ceil(len(ranked) / eta)]
+    cheapest = min((p for p in ranked if within_noise(p, ranked[0])), key=lambda p: p.cost)
+    if cheapest in kept or len(kept) + 1 >= len(ranked):  # the last round compares them all anyway
+        return kept
+    return [*kept, cheapest]
+
+
+def finalists(pooled: dict[str, Pooled]) -> list[Pooled]:
+    """The eligible configurations measured in the deepest round: every round measured them alike, so
+    they compare without the bias of unequal windows (short windows read high on a busy node: freshly
+    started workers get CPU first)."""
+    eligible = [p for p in pooled.values() if p.eligible] or list(pooled.values())
+    if not eligible:
+        return []
+    deepest = max(max(p.rounds) for p in eligible)
+    return [p for p in eligible if max(p.rounds) == deepest]
 
 
 def choose(pooled: dict[str, Pooled]) -> tuple[Pooled | None, Pooled | None]:
-    """(best, recommended): the highest rate overall, and the cheapest eligible configuration within
-    noise of it among those measured in the deepest round (the most precisely measured ones)."""
-    if not pooled:
+    """(best, recommended) among the finalists: the highest rate, and the cheapest configuration within
+    the noise of it."""
+    group = finalists(pooled)
+    if not group:
         return None, None
-    best = max(pooled.values(), key=lambda p: p.samples_per_s)
-    eligible = [p for p in pooled.values() if p.eligible] or list(pooled.values())
-    deepest = max(max(p.rounds) for p in eligible)
-    for group in ([p for p in eligible if max(p.rounds) == deepest], eligible):
-        close = [p for p in group if within_noise(p, best)]
-        if close:
-            return best, min(close, key=lambda p: p.cost)
-    return best, max(eligible, key=lambda p: p.samples_per_s)
+    best = max(group, key=lambda p: p.samples_per_s)
+    return best, min((p for p in group if within_noise(p, best)), key=lambda p: p.cost)
 
 
-def knee_workers(pooled: dict[str, Pooled]) -> int | None:
-    """The fewest workers whose best configuration reaches KNEE_FRACTION of the best rate."""
+def knee_workers(records: list[dict[str, Any]]) -> int | None:
+    """The fewest workers whose best configuration reaches KNEE_FRACTION of the best rate, on round 0
+    (the one round in which every configuration had the same window)."""
     per_workers: dict[int, float] = {}
-    for p in pooled.values():
+    for p in pool([r for r in records if r.get("round", 0) == 0]).values():
         per_workers[p.num_workers] = max(per_workers.get(p.num_workers, 0.0), p.samples_per_s)
     if not per_workers:
         return None
@@ -211,7 +229,7 @@ def analyze_records(header: dict[str, Any], records: list[dict[str, Any]]) -> li
 
     pooled = pool(records)
     best, recommended = choose(pooled)
-    findings = [throughput_finding(header, pooled, best, recommended)]
+    findings = [throughput_finding(header, records, pooled, best, recommended)]
     findings.append(loader_checks.shm_finding(header, records, pooled, recommended))
     findings.append(loader_checks.growth_finding(header, records))
     findings.append(loader_checks.budget_finding(header, pooled, recommended))
@@ -220,7 +238,11 @@ def analyze_records(header: dict[str, Any], records: list[dict[str, Any]]) -> li
 
 
 def throughput_finding(
-    header: dict[str, Any], pooled: dict[str, Pooled], best: Pooled | None, recommended: Pooled | None
+    header: dict[str, Any],
+    records: list[dict[str, Any]],
+    pooled: dict[str, Pooled],
+    best: Pooled | None,
+    recommended: Pooled | None,
 ) -> Finding:
     current = _current(header)
     lws = int(header.get("local_world_size") or 1)
@@ -229,7 +251,8 @@ def throughput_finding(
         "recommended": recommended.settings() if recommended else None,
         "within_noise_of_best": bool(best and recommended and within_noise(recommended, best)),
         "noise_margin_pct": round(100 * noise_margin(recommended, best), 2) if best and recommended else None,
-        "knee_workers": knee_workers(pooled),
+        "noisy": bool(best and recommended and raw_noise_margin(recommended, best) > MAX_NOISE_MARGIN),
+        "knee_workers": knee_workers(records),
         "current": current or None,
         "current_samples_per_s": None,
         "lightning_rule_workers": header.get("lightning_rule_workers"),
@@ -279,6 +302,11 @@ def throughput_finding(
         if not within_noise(current_pooled, best):
             verdict = "warn"
             text += f", {100 * (1 - current_pooled.samples_per_s / best.samples_per_s):.0f}% below the best"
+    if evidence["noisy"]:
+        text += (
+            f"; measurements scattered by more than ±{100 * MAX_NOISE_MARGIN:.0f}% (a busy node?): "
+            "rerun with a longer --budget where nothing else runs"
+        )
     return Finding(probe=PROBE, check="loader_throughput", verdict=verdict, summary=text, evidence=evidence)
 
 
@@ -291,6 +319,8 @@ def recommendations(findings: list[Finding]) -> list[Recommendation]:
     ev = found.evidence
     rec, current = ev["recommended"], ev.get("current") or {}
     confidence = "high" if ev.get("noise_margin_pct", 100) <= 100 * NOISE_FLOOR * 2 else "medium"
+    if ev.get("noisy"):
+        confidence = "low"
     why = (
         f"smallest configuration within the measurement noise ({ev['noise_margin_pct']}%) of the best "
         f"({ev['best']['samples_per_s']} samples/s) on a CPU budget of {ev['cpu_budget_per_rank']} per rank"

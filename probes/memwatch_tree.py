@@ -98,6 +98,7 @@ class ProcessTree:
         self.roles: dict[int, Role] = {}
         self._order: dict[int, int] = {}  # agent pid -> ranks numbered by start order so far
         self.env_denied: set[int] = set()
+        self.exited: set[psutil.Process] = set()  # seen to exit; a zombie stays listed until reaped
 
     def refresh(self) -> tuple[list[int], list[int]]:
         """(new pids, gone pids). Raises psutil.NoSuchProcess when the root itself is gone."""
@@ -105,8 +106,12 @@ class ProcessTree:
         mine = os.getpid()
         alive: dict[int, psutil.Process] = {}
         for proc in found:
-            if proc.pid == mine or (proc.pid in self.procs and self.procs[proc.pid] != proc):
-                continue  # memwatch under its own target (`--pid $PPID`), or a reused PID seen mid-walk
+            if (
+                proc.pid == mine
+                or proc in self.exited
+                or (proc.pid in self.procs and self.procs[proc.pid] != proc)
+            ):
+                continue  # memwatch under its own target (`--pid $PPID`), an exited or a reused PID
             alive[proc.pid] = self.procs.get(proc.pid, proc)  # keep the object: cpu_percent needs it
         new = [pid for pid in alive if pid not in self.procs]
         gone = [pid for pid in self.procs if pid not in alive]
@@ -118,6 +123,12 @@ class ProcessTree:
             self.roles[pid] = self._role(alive[pid])
         self._relabel_root()
         return new, gone
+
+    def forget(self, pid: int) -> None:
+        """A process seen to exit (or turn zombie) while being sampled."""
+        proc = self.procs.pop(pid, None)
+        if proc is not None:
+            self.exited.add(proc)
 
     def _nearest_ancestor(self, proc: psutil.Process) -> int | None:
         with contextlib.suppress(psutil.Error):

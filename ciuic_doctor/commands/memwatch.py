@@ -32,9 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--uss-budget",
         type=positive_float,
-        default=1.0,
+        default=0.5,
         metavar="PCT",
-        help="%% of one core that USS/PSS reads may take; dearer processes are read less often (1)",
+        help="%% of one core that USS/PSS reads may take; dearer processes are read less often (0.5)",
     )
     add_out(parser)
 
@@ -110,6 +110,11 @@ def summary(result) -> str:  # result: ciuic_doctor.probes.memwatch.WatchResult
         lines.append(
             f"USS/PSS: {how} (memory_full_info up to {result.full_info_cost_ms:.2f} ms CPU per process; "
             f"budget {result.full_info_budget:.1%} of a core)"
+        )
+    if result.walk_every > 1:
+        lines.append(
+            f"new processes: looked for every {result.walk_every} samples (walking /proc costs more than "
+            "0.5% of a core at this interval)"
         )
     lines.extend(f"note: {note}" for note in result.notes[:5])
     lines.append(

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -236,3 +238,30 @@ def test_bad_inputs_are_one_line(argv, message, run_path, capsys, monkeypatch):
     assert len(err) == 1
     assert message in err[0]
     assert not run_path.exists()
+
+
+def test_ctrl_c_keeps_the_records_and_leaves_no_process(run_path):
+    """SIGINT once the first measurement is reported: exit 130, the end record says interrupted, and
+    the measuring child and its workers are gone."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "loader-sweep", "--sample-cost-ms", "2", "--workers", "0,1,2",
+         "--budget", "20", "--local-world-size", "1", "--out", str(run_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "samples/s" in line:  # the first measurement is on disk; the second is running
+                break
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert "interrupted" in err
+    records = loader_records(run_path)
+    assert records[-1]["kind"] == "end"
+    assert records[-1]["stopped"] == "interrupted"
+    assert any(r["kind"] == "measure" and r["status"] == "ok" for r in records)
+    assert all(_dead(child.pid) for child in children)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from ciuic_doctor.commands._common import add_out, positive_float, positive_int
@@ -33,18 +34,12 @@ def non_negative_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("dataset (one of)")
+    source = parser.add_argument_group("dataset (default: the job spec's)")
     source.add_argument(
         "--dataset",
         metavar="MODULE:CALLABLE",
         help="a callable returning a torch Dataset, imported from the current directory "
         "or sys.path, e.g. mydata:build_dataset",
-    )
-    source.add_argument(
-        "--spec",
-        metavar="JOB.TOML",
-        help="job spec: its dataset, batch size, procs per node and current [dataloader] "
-        "settings (default: the embedded DeepSeek-V3 job)",
     )
     source.add_argument(
         "--sample-cost-ms",
@@ -56,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sample-bytes",
         metavar="SIZE",
         help="synthetic dataset: bytes per sample, e.g. 4K, 600K (default 4K)",
+    )
+    parser.add_argument(
+        "--spec",
+        metavar="JOB.TOML",
+        help="job spec: the current [dataloader] settings, batch size and procs per node, and the dataset "
+        "when no other is given (default: the embedded DeepSeek-V3 job)",
     )
     parser.add_argument(
         "--batch-size",
@@ -236,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         f"// {lws} local rank(s)" + (f"; asked beyond it: {over}" if over else "")
     )
     sweep = Sweep(run_dir, dataset, settings, header=header, progress=lambda line: print(line, flush=True))
+    # SIGTERM (a scheduler's cancel) ends the sweep like Ctrl-C: the measuring child is killed with its
+    # workers and the end record is written, instead of leaving them to notice the parent is gone.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = sweep.run()
     except KeyboardInterrupt:
@@ -259,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
             f"{first.get('error')} (records in {run_dir.path / 'loader.jsonl'})"
         )
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def print_summary(run_dir, result) -> None:  # (RunDir, SweepResult)

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,7 +115,9 @@ class Checkup:
             phase.status, phase.reason = "missing", f"the {name} command is not available in this build"
             return phase, None
         self.say(name, "running...")
-        log = open(self.run.path / f".checkup-{name}.raw", "w")  # noqa: SIM115 (closed in finish)
+        # The raw output may echo a secret: it goes to an anonymous temp file (gone even after a crash or
+        # Ctrl-C), and only its scrubbed copy reaches the run directory.
+        log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 (closed in finish)
         command = [sys.executable, "-m", "ciuic_doctor", *argv]
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), text=True)
         proc.log = log  # type: ignore[attr-defined]
@@ -135,12 +138,12 @@ class Checkup:
                 proc.kill()
                 proc.wait()
             code = None
-        proc.log.close()  # type: ignore[attr-defined]
         phase.seconds = time.perf_counter() - phase.seconds
-        raw = self.run.path / f".checkup-{phase.name}.raw"
-        output = raw.read_text(errors="replace")
-        self.run.write_text(f"checkup-{phase.name}.log", output)  # scrubbed copy; the raw file goes
-        raw.unlink(missing_ok=True)
+        log = proc.log  # type: ignore[attr-defined]
+        log.seek(0)
+        output = log.read()
+        log.close()
+        self.run.write_text(f"checkup-{phase.name}.log", output)  # store.write_text scrubs secrets
         if code is None:
             phase.status, phase.reason = "timeout", f"did not finish within {timeout_s:.0f} s"
         elif code == 0:

@@ -229,7 +229,11 @@ def rule_nccl_algo(ctx: Context, plan: Plan) -> None:
     algo = ev.get("recommended_nccl_algo")
     per_size = ev.get("per_size") or []
     bucket = ev.get("bucket_bytes") or int(ctx.spec.distributed.bucket_cap_mb * 1024 * 1024)
-    near = [r for r in per_size if bucket / 4 <= (r.get("bytes") or 0) <= bucket * 4]
+    # The sizes comm's analysis judged: within a factor 2 of the bucket, else the nearest one measured.
+    sized = [r for r in per_size if (r.get("bytes") or 0) > 0]
+    near = [r for r in sized if bucket / 2 <= r["bytes"] <= bucket * 2]
+    if not near and sized:
+        near = [min(sized, key=lambda r: abs(math.log(r["bytes"] / bucket)))]
     if algo:
         name = str(algo).split(":")[-1].split(",")[0].lstrip("^")
         value = nccl_algo_value(name, ctx.nccl_version)

@@ -256,12 +256,17 @@ class WatchSession:
             self.close()
 
     def _guarded(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run a hook body; on the first exception stop recording, never the user's training."""
-        if self._broken:
-            return None
+        """Run a hook body; on an exception stop recording, never the user's training.
+
+        The hooks themselves keep running after that: `_finalize` still counts steps and joins the
+        checksum all_gather at the same steps as every other rank. A rank that silently dropped out of
+        that schedule would leave the others waiting in the collective until the process-group timeout.
+        """
         try:
             return fn(*args, **kwargs)
         except Exception:
+            if self._broken:
+                return None
             self._broken = True
             print(
                 f"ciuic-doctor watch: recording stopped after an internal error (training continues):\n"
@@ -286,6 +291,8 @@ class WatchSession:
             tensors = tensors[0]
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
             step.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
+            if self._device is None:  # the loss lives where the model does
+                self._device = tensors.device
         step.backward_calls += 1
         if step.t_first_backward is None:
             step.t_first_backward = time.perf_counter()
@@ -342,12 +349,21 @@ class WatchSession:
     def _finalize(self, *, scaler: Any, found_inf: torch.Tensor | None) -> None:
         step, self._step = self._step, _Step()
         self._step_no += 1
+        gathered = None
+        if self.config.checksum and self._checksum_due(self._step_no):
+            # A collective: every rank makes this call at the same step, recording or not.
+            for replicas in self._replicas:
+                gathered = replicas.gather_checksums()
+                if gathered is not None:
+                    break
         now = time.perf_counter()
         prev, self._t_prev_end = self._t_prev_end, now
+        if self._broken:
+            return
         optimizer = self._primary() if self._primary else None
         lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
         lazy: dict[str, torch.Tensor | None] = {
-            "loss": torch.stack([loss.float() for loss in step.losses]).sum() if step.losses else None,
+            "loss": _total(step.losses),
             "grad_norm": step.grad_norm,
             "loss_scale": scaler._scale.detach().clone() if scaler is not None else None,
             "found_inf": found_inf,
@@ -371,12 +387,8 @@ class WatchSession:
             "rss": read_rss(),
             "uss": self._uss.sample(self._step_no, step_time_s),
         }
-        if self.config.checksum and self._checksum_due(self._step_no):
-            for replicas in self._replicas:
-                gathered = replicas.gather_checksums()
-                if gathered is not None:
-                    lazy["checksums"], record["_checksum_ranks"] = gathered
-                    break
+        if gathered is not None:
+            lazy["checksums"], record["_checksum_ranks"] = gathered
         self._queue.push(start_copy(record, lazy))
 
     def _checksum_due(self, step: int) -> bool:
@@ -406,6 +418,17 @@ class WatchSession:
             self._snapshot.observe(full["step"], full["mem_allocated"])
         for listener in self._listeners:
             listener(full)
+
+
+def _total(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The step's loss: the one backward() loss, or the sum over micro-batches (each already divided by
+    the accumulation count in a correct loop, so the sum is the mean loss)."""
+    if not losses:
+        return None
+    total = losses[0]
+    for loss in losses[1:]:
+        total = total.float() + loss.float()
+    return total
 
 
 # ---- running a user's script the way `python script.py` would ------------------------------------

@@ -149,6 +149,32 @@ def test_attach_api_records_and_restores_torch(tmp_path):
     assert [r["step"] for r in steps_of(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, capsys):
+    import torch
+    from ciuic_doctor.probes import watch as probe_watch
+
+    from ciuic_doctor import watch
+
+    calls = []
+
+    def failing_rss():
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError("disk gone")
+        return 1
+
+    monkeypatch.setattr(probe_watch, "read_rss", failing_rss)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with watch.attach(out=tmp_path / "run"):
+        for _ in range(5):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    assert len(calls) == 3  # steps 4 and 5 trained without recording
+    assert "recording stopped after an internal error" in capsys.readouterr().err
+    assert [r["step"] for r in steps_of(tmp_path / "run")] == [1, 2]
+
+
 def test_watch_usage_errors_are_one_line(tmp_path, capsys):
     for argv in (
         ["watch"],

@@ -89,8 +89,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
     _check_target(argv)
 
+    import torch
+
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach
+
+    if args.snapshot_on_leak and not torch.cuda.is_available():
+        print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
 
     session = attach(
         out=args.out,

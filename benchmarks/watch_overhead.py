@@ -1,0 +1,117 @@
+"""Overhead of `watch` on the embedded job's step time, measured side by side in one run (goal: <= 1.01).
+
+One training run of the embedded DeepSeek-V3 job (same seed, same data) alternates blocks of steps with
+watch attached and detached; the order flips every round (off-on, on-off, ...) so a drift in machine load
+falls on both sides alike. Each step is timed by the training loop itself (perf_counter around the whole
+step, data loading included), so the figure covers every hook, the record write and the memory reads.
+The first step of each block is dropped (attach/detach happen once per job in real use).
+
+    .venv/bin/python benchmarks/watch_overhead.py                   # one rank
+    .venv/bin/python benchmarks/watch_overhead.py --nproc 2         # two gloo ranks: DDP + weight checksum
+
+DataLoader workers are off (num_workers=0) and each rank has one thread: fewer processes competing for
+the cores gives less noise; watch's cost does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=8, help="rounds of (off block, on block)")
+    parser.add_argument("--block", type=int, default=12, help="steps per block")
+    parser.add_argument("--warmup", type=int, default=8, help="steps before the first block")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (gloo) to run on")
+    parser.add_argument("--checksum-every", type=int, default=10)
+    return parser.parse_args()
+
+
+def relaunch_under_torchrun(nproc: int) -> int:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *sys.argv,
+    ]
+    return subprocess.call(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def main() -> int:
+    args = parse_args()
+    from ciuic_doctor.launch import in_torchrun
+
+    if args.nproc > 1 and not in_torchrun():
+        return relaunch_under_torchrun(args.nproc)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from ciuic_doctor.probes.watch import WatchConfig, attach
+
+    from ciuic_doctor.jobs.inject import Injections
+    from ciuic_doctor.jobs.spec import load_spec, with_updates
+    from ciuic_doctor.jobs.train import Trainer, setup_distributed
+    from ciuic_doctor.store import RunDir
+
+    total = args.warmup + 2 * args.rounds * args.block
+    spec = with_updates(
+        load_spec(), {"job.steps": total, "dataloader.num_workers": 0, "checkpoint.every_steps": 0}
+    )
+    world = setup_distributed(spec)
+    trainer = Trainer(spec, world, total_steps=total, injections=Injections())
+    run = RunDir.create(tempfile.mkdtemp(prefix="watch-overhead-"))
+    config = WatchConfig(checksum_every=args.checksum_every)
+    lead = world.rank == 0
+
+    for _ in range(args.warmup):
+        trainer.train_step()
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    ratios: list[float] = []
+    for round_no in range(args.rounds):
+        medians = {}
+        for mode in ("off", "on") if round_no % 2 == 0 else ("on", "off"):
+            session = attach(run=run, rank=world.rank, config=config) if mode == "on" else None
+            if session is not None:
+                session.set_step(trainer.step)
+                session.watch_replicas(trainer.module)  # DDP was built before this attach
+            block = [trainer.train_step() for _ in range(args.block)][1:]
+            if session is not None:
+                session.close()
+            times[mode] += block
+            medians[mode] = statistics.median(block)
+        ratios.append(medians["on"] / medians["off"])
+        if lead:
+            print(
+                f"round {round_no + 1}/{args.rounds}: off {medians['off']:.4f} s  on {medians['on']:.4f} s  "
+                f"ratio {ratios[-1]:.3f}",
+                flush=True,
+            )
+    if lead:
+        off, on = statistics.median(times["off"]), statistics.median(times["on"])
+        records = len(run.read("steps").records)
+        print(
+            f"\nwatch overhead, embedded job ({world.world} rank(s), {world.backend or 'no process group'}, "
+            f"{world.device}, {spec.precision.mode}, {trainer.parameter_count / 1e6:.2f} M parameters), "
+            f"{args.rounds} rounds x {args.block} steps each way, alternating:\n"
+            f"  without watch: median {off:.4f} s/step (n={len(times['off'])})\n"
+            f"  with watch:    median {on:.4f} s/step (n={len(times['on'])}, {records} records written)\n"
+            f"  ratio with/without: {on / off:.4f} "
+            f"(median of per-round ratios {statistics.median(ratios):.4f}); goal <= 1.01"
+        )
+    trainer.close()
+    if world.backend is not None:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -211,14 +211,20 @@ def rule_nccl_algo(ctx: Context, plan: Plan) -> None:
     current = ctx.current_env("NCCL_ALGO")
     ev = choice.evidence
     if choice.verdict == "not_run":
+        backend = ev.get("backend") or "a non-NCCL backend"
+        why = (
+            f"Ring vs Tree was not compared ({choice.summary}); nothing here supports setting NCCL_ALGO. "
+            if backend == "nccl"
+            else f"Only {backend} was measured; NCCL_ALGO does nothing there and nothing here supports "
+            "setting it. "
+        )
         _rec(
             plan,
             "NCCL_ALGO",
             None,
-            f"Only {ev.get('backend') or 'a non-NCCL backend'} was measured; NCCL_ALGO does nothing there "
-            "and "
-            "nothing here supports setting it. Leave it unset (NCCL's tuner chooses per size) until "
-            "comm-bench has compared Ring and Tree on NCCL.",
+            why
+            + "Leave it unset (NCCL's tuner chooses per size) until comm-bench has compared Ring and Tree "
+            "on NCCL.",
             confidence="low",
             current=current,
             backend=ev.get("backend"),
@@ -231,7 +237,8 @@ def rule_nccl_algo(ctx: Context, plan: Plan) -> None:
     bucket = ev.get("bucket_bytes") or int(ctx.spec.distributed.bucket_cap_mb * 1024 * 1024)
     # The sizes comm's analysis judged: within a factor 2 of the bucket, else the nearest one measured.
     sized = [r for r in per_size if (r.get("bytes") or 0) > 0]
-    near = [r for r in sized if bucket / 2 <= r["bytes"] <= bucket * 2]
+    judged = ev.get("judged_bytes")
+    near = [r for r in sized if (r["bytes"] in judged if judged else bucket / 2 <= r["bytes"] <= bucket * 2)]
     if not near and sized:
         near = [min(sized, key=lambda r: abs(math.log(r["bytes"] / bucket)))]
     if algo:

@@ -1,21 +1,14 @@
-"""The whole checkup of a training job in one command, into one run directory.
-
-On the embedded DeepSeek-V3 job by default (or the job your --spec describes), one phase after another,
-each a `python -m ciuic_doctor ...` subprocess writing into the same RUN:
-
-    1. comm-bench     the collectives on --nproc local ranks (a small size range; up to 2× the gradient
-                      bucket where there is CUDA, so Ring vs Tree is judged where the job's buckets are)
-    2. loader-sweep   DataLoader settings for each rank's CPU budget, within --loader-budget seconds
-    3. job            the job itself under watch (per-step records), with
-       memwatch       attached to it by PID (memory of every rank and DataLoader worker)
-    4. checkpoint-check   save/load cost and resume fidelity, when this build has the command
-    5. report         analyses, recommendations, the seed-tip check, report.html and summary.md
-
-A phase that fails, times out or is missing from this build is recorded in meta.json with the reason, and
-the checkup goes on; the report shows that section as "not run" instead of leaving it out, or, when the
-probe wrote records before it ended (a dead rank mid-sweep, wrong results), shows them with a warning.
-Each phase's output goes to RUN/checkup-<phase>.log (secrets scrubbed). Exit code 0 when the checkup
-completed, whatever it found (--strict: 1 when any check failed); 2 for a usage error.
+"""The whole checkup of a training job in one command, into one run directory. On the embedded
+DeepSeek-V3 job by default (or the job --spec describes), each phase runs as a `python -m ciuic_doctor`
+subprocess writing into the same RUN, in this order: comm-bench on --nproc local ranks (a small size range;
+with CUDA up to twice the gradient bucket, so Ring vs Tree is judged where the job's all-reduces are);
+loader-sweep within --loader-budget seconds; the job itself under watch, with memwatch attached to it by
+PID; checkpoint-check when this build has it; then the analyses, the recommendations, the seed-tip check,
+report.html and summary.md. A line per phase shows its time, and the summary is printed at the end. A phase
+that fails, times out or is missing is recorded in meta.json with the reason and the checkup goes on: the
+report shows that section as not run, or shows the records it left with a warning. Each phase's output is
+kept in RUN/checkup-<phase>.log (secrets scrubbed). Exit code 0 when the checkup completed, whatever it
+found (with --strict, 1 when any check failed); 2 for a usage error.
 """
 
 from __future__ import annotations

@@ -507,3 +507,54 @@ def test_ranks_by_start_order_when_the_environment_is_unreadable(tmp_path):
     assert roles[int(rank1)] == ("rank 1", "order")
     workers = [role for pid, role in roles.items() if pid not in {parent.pid, int(rank0), int(rank1)}]
     assert workers == [("worker of rank 0", "parent")]
+
+
+LEAKY_TRAINING = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    print("ready", flush=True)
+    sys.stdin.readline()  # memwatch is attached
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept = []
+    for step in range(60):
+        loss = model(torch.randn(32, 64)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kept.append(torch.ones(2 * 2**20 // 4))  # 2 MiB of touched host memory kept every step
+        time.sleep(0.04)
+    """
+)
+
+
+def test_samples_align_to_the_steps_of_watch(tmp_path):
+    """memwatch beside `ciuic-doctor watch` in one RUN: the leak is measured per optimizer step."""
+    script = tmp_path / "train.py"
+    script.write_text(LEAKY_TRAINING)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "CIUIC_RUN_DIR"}}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "watch", "--out", str(run), "--", str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        watcher = _memwatch("--pid", str(job.pid), "--interval", "0.1", "--out", str(run))
+        _wait_for(lambda: _records(run / "memwatch.jsonl"), what="memwatch's first sample")
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        assert job.wait(timeout=120) == 0
+        watcher.communicate(timeout=60)
+    finally:
+        job.kill()
+    assert watcher.returncode == 0
+    findings = json.loads(run_cli("analyze", str(run), "--json", timeout=60).stdout)
+    leak = next(f for f in findings if f["check"] == "memory_leak" and f["evidence"].get("kind") == "host")
+    assert leak["evidence"]["source"] == "memwatch"
+    assert leak["evidence"]["slope_bytes_per_step"] == pytest.approx(2 * 2**20, rel=0.10)
+    assert leak["verdict"] in {"warn", "fail"}

@@ -159,12 +159,11 @@ class Sampler:
         new: list[int] = []
         gone: list[int] = []
         if self.index % self.walk_every == 0:
-            start = time.thread_time()
             try:
                 new, gone = self.tree.refresh()
             except psutil.NoSuchProcess:
                 return None
-            self._schedule_walk(time.thread_time() - start)
+            self._schedule_walk(self.tree.walk_cpu_s)
         for pid in new:
             self._write_process(pid)
         for pid in gone:
@@ -310,6 +309,9 @@ def watch(config: MemwatchConfig, run_path: Path, *, progress: Callable[[str], N
     gpu = nvml.get()
     result = WatchResult(run=run, target=f"PID {root.pid} ({safe_call(root.name)})", nvml_reason=gpu.reason)
     _record_meta(run, config)
+    progress(
+        f"memwatch: watching {result.target} every {config.interval_s:g} s into {run.path} (Ctrl-C ends it)"
+    )
     started = time.monotonic()
     with run.writer(STREAM) as writer, run.writer(EVENTS) as events, _sigterm_stops():
         events.write(

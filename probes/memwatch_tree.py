@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,11 +99,14 @@ class ProcessTree:
         self.roles: dict[int, Role] = {}
         self._order: dict[int, int] = {}  # agent pid -> ranks numbered by start order so far
         self.env_denied: set[int] = set()
+        self.walk_cpu_s = 0.0
         self.exited: set[psutil.Process] = set()  # seen to exit; a zombie stays listed until reaped
 
     def refresh(self) -> tuple[list[int], list[int]]:
         """(new pids, gone pids). Raises psutil.NoSuchProcess when the root itself is gone."""
+        start = time.thread_time()
         found = [self.root, *self.root.children(recursive=True)]
+        self.walk_cpu_s = time.thread_time() - start  # the walk alone: naming new processes is once each
         mine = os.getpid()
         alive: dict[int, psutil.Process] = {}
         for proc in found:

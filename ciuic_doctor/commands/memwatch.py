@@ -50,7 +50,6 @@ def run(args: argparse.Namespace) -> int:
         full_info_budget=args.uss_budget / 100,
     )
     out = default_run_path(NAME, args.out)
-    print(f"memwatch: watching PID {args.pid} every {args.interval:g} s into {out} (Ctrl-C ends it)")
     result = watch(config, out)
     print(summary(result))
     return 0

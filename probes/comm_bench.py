@@ -95,6 +95,7 @@ class Bench:
         self.writer: Any = None
         self.tuning: nccl.TuningTail | None = None
         self.probe_entry: dict[str, Any] = {}
+        self.records: list[dict[str, Any]] = []  # rank 0: what went to comm.jsonl, for the summary
         self.timing = Timing(
             warmup=cfg.warmup,
             iters=cfg.iters,
@@ -167,6 +168,7 @@ class Bench:
                 "ranks: torchrun --nproc-per-node N ..., or comm-bench --nproc N."
             )
         for phase in phases:
+            self.watch.step(f"creating the process group for algo {phase.algo}")
             with phase_group(self.backend, phase, self.device) as group:
                 for collective in phase.collectives:
                     self.table(phase, collective, group)
@@ -228,6 +230,7 @@ class Bench:
                 if record is None:
                     continue
                 self.writer.write({**base, **extra, **record})
+                self.records.append(record)
                 cells[inplace] = comm_table.Cell(
                     time_us=record["time_us"],
                     algbw_gbps=record["algbw_gbps"],
@@ -304,6 +307,20 @@ class Bench:
             problems.append(f"average busbw below 0.9 x --min-busbw {floor:g} GB/s: {listed}")
         return "; ".join(problems) or None
 
+    def summary(self) -> str:
+        """Rank 0's closing lines: rows, wrong elements, each table's average busbw, a straggler if any."""
+        from ciuic_doctor.analysis.comm import straggler
+
+        avgs = ", ".join(f"{name} {avg:.3g}" for name, avg in self.table_avgs.items())
+        lines = [
+            f"# {self.rows} rows, {self.wrong_total} wrong elements, in {self.path / 'comm.jsonl'}",
+            f"# average busbw (GB/s): {avgs}",
+        ]
+        slow = straggler(self.records)
+        if slow.verdict == "warn":
+            lines.append(f"# straggler: {slow.summary}")
+        return "\n".join(lines)
+
     def finish(self, status: str, message: str | None, *, reporter: bool = False) -> None:
         """Record the outcome in meta.json: rank 0 always; the rank that named a dead peer as well when
         it shares rank 0's file system (rank 0 may be the one that died)."""
@@ -335,7 +352,7 @@ def run_bench(cfg: BenchConfig) -> int:
         message = bench.verdict()
         bench.finish("failed" if message else "ok", message)
         bench.say(f"\n{comm_table.BUSBW_NOTE}")
-        bench.say(f"# {bench.rows} rows in {bench.path / 'comm.jsonl'}")
+        bench.say(bench.summary())
         if message:
             raise ProbeFailed(message)
         return 0

@@ -575,7 +575,8 @@ def rule_learning_rate(ctx: Context, plan: Plan) -> None:
     after_peak = [
         f
         for f in spikes
-        if f.where.get("step") is not None and warmup_steps <= int(f.where["step"]) <= 2 * warmup_steps
+        if isinstance(f.where.get("step"), int | float)
+        and warmup_steps <= f.where["step"] <= 2 * warmup_steps
     ]
     if after_peak and pct < ONECYCLE_DEFAULT_PCT_START:
         pct = min(ONECYCLE_DEFAULT_PCT_START, 2 * opt.warmup_pct)

@@ -357,7 +357,7 @@ def tip4(ctx: Context) -> Tip:
             for f in ctx.findings
             if f.check in ("loss_spike", "divergence", "nonfinite_loss")
             and f.verdict in ("warn", "fail")
-            and (f.where.get("step") is None or int(f.where["step"]) <= 2 * warmup)
+            and (not isinstance(f.where.get("step"), int | float) or f.where["step"] <= 2 * warmup)
         ]
         text = f"pct_start {spec.optim.warmup_pct:g} of {spec.job.steps} steps = {warmup} warm-up steps: "
         if early:

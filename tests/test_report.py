@@ -91,7 +91,9 @@ def test_every_output_file_is_written(built):
 
 def test_report_has_every_part(built):
     html = (built / "report.html").read_text()
-    assert len(re.findall(r'<svg [^>]*class="plot"', html)) == 6  # busbw, step time, stability, step memory, memwatch, loader
+    assert (
+        len(re.findall(r'<svg [^>]*class="plot"', html)) == 6
+    )  # busbw, step time, stability, step memory, memwatch, loader
     for section in (
         "verdicts",
         "settings",
@@ -249,3 +251,30 @@ def test_tables_sort_when_a_header_is_clicked(tmp_path):
     assert first_ascending.startswith("checkpoint contents")
     assert first_descending.startswith("TORCH_NCCL_TRACE_BUFFER_SIZE")
     assert order == "descending"
+
+
+def test_records_of_the_wrong_shape_do_not_break_the_report(tmp_path):
+    """Streams written by other tools or older versions: wrong types, NaN strings, a torn last line."""
+    run = tmp_path / "run"
+    run.mkdir()
+    junk = [
+        {"step": "x", "rank": "r", "loss": "nan"},
+        {"step": 1, "rank": None, "loss": "inf", "grad_norm": "abc", "rss": -5},
+        {"step": 2.0, "rank": 0, "loss": [1]},
+        {"collective": None, "bytes": 1.5, "busbw_gbps": "nan"},
+        {"collective": "all_reduce", "bytes": 1024, "busbw_gbps": {"a": 1}, "inplace": "yes"},
+        {"kind": "measure", "status": "ok", "num_workers": "two", "samples_per_s": 5, "prefetch_factor": "x"},
+        {"role": None, "t": "later", "rss": "big"},
+        {"step": 3, "rank": 0, "loss": 1.0, "skipped": True},
+        "not an object",
+    ]
+    for stream in ("steps", "comm", "loader", "memwatch", "checkpoint"):
+        lines = [json.dumps(r) for r in junk] + ['{"torn": ']
+        (run / f"{stream}.jsonl").write_text("\n".join(lines))
+    finding = {"probe": "x", "check": "y", "verdict": "warn", "summary": "s", "where": {"step": "not a step"}}
+    (run / "findings.json").write_text(json.dumps({"findings": [finding]}))
+    result = build_report(RunDir.open(run), analyze=False)
+    assert result.overall == "warn"
+    html = (run / "report.html").read_text()
+    assert 'id="checkpoint"' in html
+    assert json.loads(DATA_BLOCK.search(html).group(1))["overall"] == "warn"

@@ -67,7 +67,7 @@ def build_report(
     tips, and write every output file."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
-    from ciuic_doctor.report import files, html, sections
+    from ciuic_doctor.report import files, html, plots, sections
     from ciuic_doctor.seed_tips import evaluate_tips
     from ciuic_doctor.store import as_float
 
@@ -82,11 +82,9 @@ def build_report(
     plan = recommend(spec, findings, meta)
     streams = sections.load_streams(run)
     steps = streams.get("steps") or []
-    first_rank = min((r.get("rank") or 0 for r in steps), default=0)
+    first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)
     grad_norms = [
-        g
-        for r in steps
-        if (r.get("rank") or 0) == first_rank and (g := as_float(r.get("grad_norm"))) is not None
+        g for r in steps if plots.rank_of(r) == first_rank and (g := as_float(r.get("grad_norm"))) is not None
     ]
     tips = evaluate_tips(Context(spec=spec, findings=findings, meta=meta), grad_norms=grad_norms)
     parts = sections.build_sections(streams, findings, meta)

@@ -98,6 +98,14 @@ def _thin(xs: Sequence[float], ys: Sequence[float]) -> tuple[list[float], list[f
     return list(xs[::step]), list(ys[::step])
 
 
+def rank_of(record: dict[str, Any]) -> int | None:
+    """The record's rank when it is a whole number (records from other tools may carry anything)."""
+    rank = record.get("rank", 0)
+    if rank is None:
+        return 0
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+
 def _num(record: dict[str, Any], key: str) -> float | None:
     value = as_float(record.get(key))
     return value if value is not None and math.isfinite(value) else None
@@ -158,8 +166,8 @@ def busbw_plot(records: Iterable[dict[str, Any]]) -> str | None:
 def _by_rank(records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     ranks: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
-        if isinstance(r.get("step"), int):
-            ranks[int(r.get("rank") or 0)].append(r)
+        if isinstance(r.get("step"), int) and (rank := rank_of(r)) is not None:
+            ranks[rank].append(r)
     for rows in ranks.values():
         rows.sort(key=lambda r: r["step"])
     return dict(sorted(ranks.items()))
@@ -337,7 +345,9 @@ def loader_configs(records: Iterable[dict[str, Any]]) -> dict[tuple, dict[str, A
     """The last (longest-measured) record of each DataLoader configuration that has a throughput."""
     configs: dict[tuple, dict[str, Any]] = {}
     for r in records:
-        if _num(r, "samples_per_s") is None or r.get("num_workers") is None or r.get("status", "ok") != "ok":
+        if _num(r, "samples_per_s") is None or r.get("status", "ok") != "ok":
+            continue
+        if not isinstance(r.get("num_workers"), int) or not isinstance(r.get("prefetch_factor") or 0, int):
             continue
         key = (
             r.get("num_workers"),

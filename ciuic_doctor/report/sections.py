@@ -204,8 +204,8 @@ def job_content(section: Section, steps: list[dict[str, Any]]) -> None:
         section.plots.append(svg)
     by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in steps:
-        if isinstance(r.get("step"), int):
-            by_rank[int(r.get("rank") or 0)].append(r)
+        if isinstance(r.get("step"), int) and (rank := plots.rank_of(r)) is not None:
+            by_rank[rank].append(r)
     rows = []
     for rank, rs in sorted(by_rank.items()):
         times = [t for r in rs if (t := as_float(r.get("step_time_s"))) is not None]

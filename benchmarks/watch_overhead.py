@@ -33,15 +33,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def relaunch_under_torchrun(nproc: int) -> int:
+def relaunch_under_torchrun(args: argparse.Namespace) -> int:
+    """The same benchmark on args.nproc gloo ranks (torchrun would take --nproc for its own option)."""
     argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        *sys.argv,
-    ]
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+        sys.argv[0], f"--rounds={args.rounds}", f"--block={args.block}", f"--warmup={args.warmup}",
+        f"--checksum-every={args.checksum_every}",
+    ]  # fmt: skip
     return subprocess.call(argv, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -50,7 +48,7 @@ def main() -> int:
     from ciuic_doctor.launch import in_torchrun
 
     if args.nproc > 1 and not in_torchrun():
-        return relaunch_under_torchrun(args.nproc)
+        return relaunch_under_torchrun(args)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -97,13 +95,15 @@ def main() -> int:
             )
     if lead:
         off, on = statistics.median(times["off"]), statistics.median(times["on"])
-        records = len(run.read("steps").records)
+        records = run.read("steps").records  # this rank's run directory: rank 0's records
+        checksums = sum(r.get("weights_checksum") is not None for r in records)
         print(
             f"\nwatch overhead, embedded job ({world.world} rank(s), {world.backend or 'no process group'}, "
             f"{world.device}, {spec.precision.mode}, {trainer.parameter_count / 1e6:.2f} M parameters), "
             f"{args.rounds} rounds x {args.block} steps each way, alternating:\n"
             f"  without watch: median {off:.4f} s/step (n={len(times['off'])})\n"
-            f"  with watch:    median {on:.4f} s/step (n={len(times['on'])}, {records} records written)\n"
+            f"  with watch:    median {on:.4f} s/step (n={len(times['on'])}; rank 0 wrote {len(records)} "
+            f"records, {checksums} with a weight checksum)\n"
             f"  ratio with/without: {on / off:.4f} "
             f"(median of per-round ratios {statistics.median(ratios):.4f}); goal <= 1.01"
         )

@@ -126,6 +126,8 @@ class WatchSession:
         self._device: torch.device | None = None
         self._broken = False
         self._closed = False
+        self._backward_depth = 0
+        self._sharded: dict[int, bool] = {}  # id(optimizer) -> holds FSDP / DTensor shards
         self._snapshot = None
         if config.snapshot_on_leak and torch.cuda.is_available():
             from ciuic_doctor.probes.watch_snapshot import LeakSnapshot
@@ -159,7 +161,8 @@ class WatchSession:
         self._undo.clear()
         if not self._broken:
             if self._step.stepped:  # an enabled scaler whose update() never came: still a step
-                self._guarded(self._finalize, scaler=None, found_inf=None)
+                # No collective here: the other ranks may be past their last step already.
+                self._guarded(self._finalize, scaler=None, found_inf=None, gather=False)
             self._guarded(self._queue.flush)
         if self._snapshot is not None:
             self._guarded(self._snapshot.stop)
@@ -189,8 +192,14 @@ class WatchSession:
 
         def make_backward(original: Callable) -> Callable:
             def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-                session._guarded(session._on_backward, tensors)
-                return original(tensors, *args, **kwargs)
+                # Re-entrant activation checkpointing calls backward inside backward: not a new loss.
+                if session._backward_depth == 0:
+                    session._guarded(session._on_backward, tensors)
+                session._backward_depth += 1
+                try:
+                    return original(tensors, *args, **kwargs)
+                finally:
+                    session._backward_depth -= 1
 
             return backward
 
@@ -312,8 +321,11 @@ class WatchSession:
         if not self._claim(optimizer) or not self.config.grad_norm or self._step.grad_norm is not None:
             return
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        sharded = self._sharded.get(id(optimizer))
+        if sharded is None:
+            sharded = self._sharded[id(optimizer)] = is_sharded(params)
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads or is_sharded(params):  # a shard's norm is not the model's norm
+        if not grads or sharded:  # a shard's norm is not the model's norm
             return
         norm = torch.nn.utils.get_total_norm(grads)
         # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
@@ -346,11 +358,11 @@ class WatchSession:
         return sum((f.to(device, non_blocking=True).float() for f in flags[1:]), flags[0].float())
 
     # ---- one record per step -----------------------------------------------------------------
-    def _finalize(self, *, scaler: Any, found_inf: torch.Tensor | None) -> None:
+    def _finalize(self, *, scaler: Any, found_inf: torch.Tensor | None, gather: bool = True) -> None:
         step, self._step = self._step, _Step()
         self._step_no += 1
         gathered = None
-        if self.config.checksum and self._checksum_due(self._step_no):
+        if gather and self.config.checksum and self._checksum_due(self._step_no):
             # A collective: every rank makes this call at the same step, recording or not.
             for replicas in self._replicas:
                 gathered = replicas.gather_checksums()
@@ -388,7 +400,7 @@ class WatchSession:
             "uss": self._uss.sample(self._step_no, step_time_s),
         }
         if gathered is not None:
-            lazy["checksums"], record["_checksum_ranks"] = gathered
+            lazy["checksums"], record["_checksum_ranks"], record["_checksum_me"] = gathered
         self._queue.push(start_copy(record, lazy))
 
     def _checksum_due(self, step: int) -> bool:
@@ -404,11 +416,8 @@ class WatchSession:
                 record[key] = first[key]
         if "found_inf" in first:
             record["skipped"] = bool(first["found_inf"] > 0)
-        ranks = record.pop("_checksum_ranks", None)
+        ranks, me = record.pop("_checksum_ranks", None), record.pop("_checksum_me", None)
         if "checksums" in values and ranks:
-            import torch.distributed as dist
-
-            me = dist.get_rank() if dist.is_initialized() else self.rank
             record["weights_checksum"] = values["checksums"][ranks.index(me)] if me in ranks else None
             record["desync_ranks"] = differing_ranks(values["checksums"], ranks)
         full = {key: record.get(key) for key in RECORD_KEYS}

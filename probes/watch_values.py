@@ -127,8 +127,8 @@ class Replicas:
     params: Callable[[], list[torch.Tensor]]
     group: Any
 
-    def gather_checksums(self) -> tuple[torch.Tensor, list[int]] | None:
-        """all_gather of each rank's float64 parameter sum; (values, global ranks) or None."""
+    def gather_checksums(self) -> tuple[torch.Tensor, list[int], int] | None:
+        """all_gather of each rank's float64 parameter sum: (values, their global ranks, this rank)."""
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -136,16 +136,17 @@ class Replicas:
         params = self.params()
         if not params or is_sharded(params):
             return None
-        size = dist.get_world_size(self.group)
+        group = self.group if self.group is not None else dist.group.WORLD
+        size = dist.get_world_size(group)
         if size < 2:
             return None
         with torch.no_grad():
             local = torch.stack([p.detach().sum(dtype=torch.float64) for p in params]).sum().reshape(1)
-        if dist.get_backend(self.group) != "nccl":
+        if dist.get_backend(group) != "nccl":
             local = local.cpu()  # gloo gathers host tensors
         parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts), dist.get_process_group_ranks(self.group)
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts), dist.get_process_group_ranks(group), dist.get_rank()
 
 
 # ---- deferred reads of device scalars ----------------------------------------------------------

@@ -265,7 +265,7 @@ def test_recommended_toml_loads_back_with_the_values_applied(tmp_path, gpu_spec,
     assert spec.job.name == gpu_spec.job.name
 
 
-@pytest.mark.parametrize("name", ["ciuic_doctor.recommend", "ciuic_doctor.report.html"])
+@pytest.mark.parametrize("name", ["ciuic_doctor.recommend.core", "ciuic_doctor.report.html"])
 def test_docstring_examples(name):
     import doctest
     import importlib

@@ -155,7 +155,6 @@ class Pending:
     """A record whose device values are still on their way to the host."""
 
     record: dict[str, Any]
-    lazy: dict[str, torch.Tensor]
     host: list[tuple[list[tuple[str, int]], Any]] = field(default_factory=list)  # (keys+sizes, values)
     events: list[Any] = field(default_factory=list)
 
@@ -178,10 +177,11 @@ class Pending:
 
 def start_copy(record: dict[str, Any], lazy: dict[str, torch.Tensor | None]) -> Pending:
     """Queue the host copies of `lazy` (CPU tensors are read at once, without any copy)."""
-    pending = Pending(record=record, lazy={k: v for k, v in lazy.items() if v is not None})
+    pending = Pending(record=record)
     by_device: dict[str, list[tuple[str, torch.Tensor]]] = {}
-    for key, tensor in pending.lazy.items():
-        by_device.setdefault(str(tensor.device), []).append((key, tensor.detach().reshape(-1)))
+    for key, tensor in lazy.items():
+        if tensor is not None:
+            by_device.setdefault(str(tensor.device), []).append((key, tensor.detach().reshape(-1)))
     for device_key, items in by_device.items():
         keys = [(key, tensor.numel()) for key, tensor in items]
         if device_key == "cpu":  # host memory: read now, no copy
@@ -190,9 +190,10 @@ def start_copy(record: dict[str, Any], lazy: dict[str, torch.Tensor | None]) -> 
             continue
         joined = torch.cat([tensor.to(torch.float64) for _, tensor in items])
         buffer = torch.empty(joined.numel(), dtype=torch.float64, pin_memory=True)
-        buffer.copy_(joined, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        with torch.cuda.device(joined.device):  # copy and event on that device's current stream
+            buffer.copy_(joined, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
         pending.host.append((keys, buffer))
         pending.events.append(event)
     return pending

@@ -175,6 +175,38 @@ def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, c
     assert [r["step"] for r in steps_of(tmp_path / "run")] == [1, 2]
 
 
+def test_records_wait_in_step_order_for_their_device_values():
+    """The CUDA path's ordering logic, with stand-in events (there is no GPU here)."""
+    from ciuic_doctor.probes.watch_values import MAX_PENDING, Pending, PendingQueue
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    written = []
+    queue = PendingQueue(finish=lambda p: written.append((p.record["step"], p.values()["loss"])))
+    events = [Event() for _ in range(3)]
+    for step, event in enumerate(events, start=1):
+        queue.push(Pending(record={"step": step}, host=[([("loss", 1)], [float(step)])], events=[event]))
+    events[1].done = True
+    queue.drain()
+    assert written == []  # step 2 is ready, but step 1 is not: order is kept
+    events[0].done = True
+    queue.drain()
+    assert written == [(1, [1.0]), (2, [2.0])]
+    for step in range(4, 4 + MAX_PENDING + 1):  # a backlog past the bound is waited for
+        queue.push(Pending(record={"step": step}, host=[([("loss", 1)], [0.0])], events=[Event()]))
+    assert len(written) > 2
+    queue.flush()
+    assert [step for step, _ in written] == list(range(1, 4 + MAX_PENDING + 1))
+
+
 def test_watch_usage_errors_are_one_line(tmp_path, capsys):
     for argv in (
         ["watch"],

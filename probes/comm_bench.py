@@ -96,6 +96,7 @@ class Bench:
         self.tuning: nccl.TuningTail | None = None
         self.probe_entry: dict[str, Any] = {}
         self.records: list[dict[str, Any]] = []  # rank 0: what went to comm.jsonl, for the summary
+        self.not_run: dict[str, str] = {}  # collective -> why the backend could not run it
         self.timing = Timing(
             warmup=cfg.warmup,
             iters=cfg.iters,
@@ -197,6 +198,7 @@ class Bench:
             root=cfg.root,
         )
         if reason:
+            self.not_run[collective] = reason
             self.say(f"# {collective}: not run on {self.backend}: {reason}")
             if self.writer:
                 self.writer.write({**base, "status": "not_run", "reason": reason})
@@ -298,6 +300,11 @@ class Bench:
     def verdict(self) -> str | None:
         """Rank 0's failure message (wrong elements, a table below the floor), or None."""
         problems = []
+        if not self.rows and self.not_run:
+            problems.append(
+                f"nothing could run on {self.backend} with {self.cfg.dtype}: "
+                + "; ".join(f"{c}: {why}" for c, why in self.not_run.items())
+            )
         if self.wrong_total:
             problems.append(f"{self.wrong_total} wrong elements: a collective returned a wrong result")
         floor = self.cfg.min_busbw_gbps

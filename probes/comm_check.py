@@ -3,9 +3,9 @@
 nccl-tests' rule: the check must be bit-exact for Ring and Tree alike, which reduce in different orders.
 Small integers do it: rank r's element i is B[(i + r) mod K] = (i + r) mod K, with K chosen so that the
 sum over all ranks stays exactly representable in the dtype (integers up to 2**8 in bfloat16, 2**11 in
-float16, 2**24 in float32), and every partial sum of integers below that bound is exact too. Where even
-K = 2 would overflow that bound (bfloat16 beyond 128 ranks), the inputs are one-hot instead: element i
-is 1 on rank i mod n only, so every sum is exactly 1.
+float16, 2**24 in float32, 2**4 in float8 e4m3), and every partial sum of integers below that bound is
+exact too. Where even K = 2 would overflow that bound (bfloat16 beyond 128 ranks), the inputs are one-hot
+instead: element i is 1 on rank i mod n only, so every sum is exactly 1.
 
 Both the inputs and the expected results are periodic in i, so they are built by repeating one short
 tile on the device (a copy, not arithmetic per element), and compared there.
@@ -21,7 +21,7 @@ from ciuic_doctor.probes.comm_collectives import Buffers, Shape
 
 # Largest M such that every integer in [0, M] is exact in the dtype (2**(mantissa bits + 1)).
 EXACT_UP_TO = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8, "float64": 2**53,
-               "int32": 2**31 - 1, "int64": 2**63 - 1}  # fmt: skip
+               "int32": 2**31 - 1, "int64": 2**63 - 1, "float8_e4m3fn": 2**4}  # fmt: skip
 MAX_PERIOD = 251  # prime: a block that lands at a wrong offset rarely matches by accident
 
 

@@ -29,9 +29,11 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int32": torch.int32,
     "int64": torch.int64,
+    # DeepSeek-V3 dispatches MoE tokens in FP8 over all_to_all; reductions in FP8 are rarely supported
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 NCCL_TESTS_TYPE = {"float32": "float", "float16": "half", "bfloat16": "bfloat16", "float64": "double",
-                   "int32": "int32", "int64": "int64"}  # fmt: skip
+                   "int32": "int32", "int64": "int64", "float8_e4m3fn": "f8e4m3"}  # fmt: skip
 REDUCING = ("all_reduce", "reduce_scatter")
 # (out-of-place, in-place) availability; see the module docstring for why.
 PLACEMENTS: dict[str, tuple[bool, ...]] = {

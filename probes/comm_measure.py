@@ -123,7 +123,8 @@ def measure_row(
     op()
     sync(device)
     if os.environ.get(CORRUPT_ENV) == str(rank):
-        buf.recv.view(-1)[0] += 1
+        flat = buf.recv.view(-1)  # via float32: float8 has no add on CPU
+        flat[0] = (flat[0].to(torch.float32) + 1).to(flat.dtype)
     want = expected(collective, sh, rank=rank, pattern=pattern, like=buf.recv, root=root)
     wrong = count_wrong(buf.recv, want)
     return RankResult(time_s=elapsed, iters=iters, durations_us=marks.durations_us(), wrong=wrong)

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli, torchrun
 
 from ciuic_doctor.analysis import comm as comm_analysis
-from ciuic_doctor.nccl import busbw_factor
+from ciuic_doctor.nccl import COLLECTIVES, busbw_factor
 from ciuic_doctor.store import RunDir
 
 DATA = Path(__file__).parent / "data"
@@ -167,6 +167,22 @@ def test_corrupted_result_is_caught_and_fails_the_run(tmp_path):
     assert correctness.evidence["total_wrong"] == 9
 
 
+def test_a_dtype_the_backend_cannot_move_is_not_run_with_the_reason(tmp_path):
+    """gloo has no float8: every collective is tried, recorded as not_run with gloo's own reason, and a
+    run that measured nothing at all exits non-zero."""
+    out = tmp_path / "run"
+    result = torchrun("comm-bench", *QUICK, "--dtype", "float8_e4m3fn", "--out", str(out))
+    assert result.returncode == 1
+    rows = _records(out)
+    assert [r["collective"] for r in rows] == list(COLLECTIVES)  # every one tried, in order
+    assert {r["status"] for r in rows} == {"not_run"}
+    assert all("Invalid scalar type" in r["reason"] for r in rows)
+    assert "nothing could run on gloo with float8_e4m3fn" in result.stderr
+    support = [f for f in comm_analysis.analyze(RunDir.open(out)) if f.check == "collective_support"]
+    assert len(support) == 5
+    assert {f.verdict for f in support} == {"not_run"}
+
+
 def test_world_size_one_warns_and_a_missed_floor_fails(tmp_path):
     out = tmp_path / "run"
     result = torchrun("comm-bench", *QUICK, "--collectives", "all_reduce,broadcast", "--min-busbw", "5000",
@@ -188,6 +204,7 @@ BAD_ARGS = [
     (("--collectives", "all_reduce,alltoall"), "unknown alltoall"),
     (("--algos", "ring,bogus"), "unknown bogus"),
     (("--bucket-bytes", "-1"), "--bucket-bytes: malformed size"),
+    (("--dtype", "float128"), "--dtype: unknown float128"),
 ]
 
 
@@ -310,7 +327,8 @@ def _simulate(
 
 @pytest.mark.parametrize("collective", list(PLACEMENTS))
 @pytest.mark.parametrize(
-    ("world", "dtype"), [(2, "float32"), (3, "bfloat16"), (7, "float16"), (130, "bfloat16")]
+    ("world", "dtype"),
+    [(2, "float32"), (3, "bfloat16"), (7, "float16"), (4, "float8_e4m3fn"), (130, "bfloat16")],
 )
 def test_expected_results_match_the_collective_semantics(collective, world, dtype):
     """(130 ranks in bfloat16 take the one-hot inputs: sums of 0..K would no longer be exact.)"""

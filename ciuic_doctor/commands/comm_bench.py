@@ -26,7 +26,7 @@ ORDER = 20
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 ALGOS = ("ring", "tree", "nvls", "nvlstree", "collnetdirect", "collnetchain", "pat", "default")
-DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "float8_e4m3fn")
 # Set for the ranks `launch_local` starts: they leave the one failure line to the parent, which reads
 # it from meta.json, instead of printing it a second time.
 PARENT_ENV = "CIUIC_COMM_PARENT_REPORTS"
@@ -63,6 +63,8 @@ def _parse(args: argparse.Namespace) -> None:
         setattr(args, option, value)
     args.collectives = _parse_list("--collectives", args.collectives, COLLECTIVES)
     args.algos = _parse_list("--algos", args.algos, ALGOS) if args.algos else None
+    if args.dtype not in DTYPES:
+        raise UserError(f"--dtype: unknown {args.dtype}; choose from {','.join(DTYPES)}")
     if args.min_bytes > args.max_bytes:
         raise UserError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if args.step_factor <= 1 and args.min_bytes != args.max_bytes:
@@ -92,7 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help=f"comma list (default all: {','.join(COLLECTIVES)})",
     )
-    what.add_argument("-d", "--dtype", choices=DTYPES, default="float32", help="default float32")
+    what.add_argument(
+        "-d", "--dtype", default="float32", help=f"one of {', '.join(DTYPES)} (default float32)"
+    )
     what.add_argument(
         "--algos",
         default=None,

@@ -1,16 +1,12 @@
 """Benchmark the collectives a distributed job uses (all_reduce, all_gather, reduce_scatter, broadcast,
-all_to_all) the way nccl-tests does, on the ranks you launch them on.
-
-Under torchrun every rank runs it:
-    torchrun --nproc-per-node 8 -m ciuic_doctor comm-bench
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m ciuic_doctor comm-bench
-Outside torchrun it starts --nproc local ranks itself through torch's elastic launcher.
+all_to_all) the way nccl-tests does, on the ranks you launch it on: under torchrun every rank runs it
+(`torchrun --nproc-per-node 8 -m ciuic_doctor comm-bench`, multi-node with --rdzv-backend c10d);
+outside torchrun it starts --nproc local ranks itself through torch's elastic launcher.
 
 Rank 0 prints an nccl-tests-style table (time, algbw, busbw, #wrong per size) and writes one record per
-(collective, algorithm, size, placement) to RUN/comm.jsonl. On NCCL all_reduce runs once per --algos entry
-(default ring,tree), each in a fresh communicator created under NCCL_ALGO. Exit code 1 when any element
-is wrong, when the average busbw of a table is below 0.9 x --min-busbw, or when a rank dies or hangs
+(collective, algorithm, size, placement) to RUN/comm.jsonl. On NCCL, all_reduce runs once per --algos
+entry (default ring,tree), each in a fresh communicator created under NCCL_ALGO. Exit code 1 when any
+element is wrong, when a table's average busbw is below 0.9 x --min-busbw, or when a rank dies or hangs
 (one message names it). Test hooks: CIUIC_COMM_FAULT=RANK:BYTES:exit|kill|hang, CIUIC_COMM_CORRUPT_RANK=R.
 """
 

@@ -99,6 +99,8 @@ def test_bad_job_input_is_one_line_and_exit_2(tmp_path, capsys):
         ["job", "--set", "novalue"],
         ["job", "--nproc", "1", "--resume", str(tmp_path / "missing.pt")],
         ["job", "--spec", str(tmp_path / "missing.toml")],
+        ["job", "--nproc", "2", "--set", "model.hiden_size=64"],  # refused before any rank starts
+        ["job", "--nproc", "2", "--resume", str(tmp_path)],
     ]
     for argv in cases:
         assert main(argv) == 2, argv

@@ -128,9 +128,15 @@ def run(args: argparse.Namespace) -> int:
 
         return run_job(spec, options)
 
+    from ciuic_doctor.jobs.checkpoint import resolve_resume
+    from ciuic_doctor.jobs.model import model_config
     from ciuic_doctor.launch import launch_local
     from ciuic_doctor.store import RunDir, default_run_path
 
+    # Mistakes every rank would make alike: one clear line here instead of one failed rank per process.
+    model_config(spec)
+    if options.resume:
+        resolve_resume(options.resume)
     run_dir = RunDir.create(default_run_path("job", args.out))
     print(f"launching {nproc} local ranks -> {run_dir.path}", flush=True)
     try:

@@ -61,6 +61,7 @@ class JobProgress:
         self.checkpoints: list[dict[str, Any]] = []
         self.losses: list[float] = []
         self._start = time.perf_counter()
+        self._finished = False
 
     def _print(self, text: str) -> None:
         if self.lead:
@@ -160,6 +161,7 @@ class JobProgress:
                 }
             )
             self.run.record_probe("job", status="finished")
+        self._finished = True
         losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
         self._print(
             f"done: step {trainer.step} in {loop_s:.1f} s (median {_num(median, '.3f')} s/step){losses}; "
@@ -167,6 +169,8 @@ class JobProgress:
         )
 
     def close(self) -> None:
+        if not self._finished and self.lead and self.run is not None:
+            self.run.record_probe("job", status="failed")  # the records up to here stay
         if self.session is not None:
             self.session.close()
             self.session = None

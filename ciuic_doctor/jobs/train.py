@@ -286,7 +286,7 @@ def median_step_s(times: list[float]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-# ---- the job as a whole (jobs/run.py would be a second module for ~40 lines; it lives here) -----
+# ---- the job as a whole ---------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class JobOptions:
     injections: Injections = field(default_factory=Injections)

@@ -112,11 +112,11 @@ def test_bad_job_input_is_one_line_and_exit_2(tmp_path, capsys):
 # ---- real training runs ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp16_leaky_run(tmp_path_factory):
-    """One fp16 run with two overflowing steps and a 16 MB/step leak: the GradScaler skips for real."""
+    """One fp16 run: two overflowing steps (the GradScaler skips for real), a 16 MB/step leak, an LR spike."""
     out = tmp_path_factory.mktemp("job") / "run"
     done = run_cli(
         "job", "--nproc", "1", "--steps", "7", "--out", str(out), "--precision", "fp16",
-        "--inject", "overflow=3:2", "--inject", "leak=16", *FAST, timeout=300,
+        "--inject", "overflow=3:2", "--inject", "leak=16", "--inject", "spike=6:1000", *FAST, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return out, done
@@ -144,6 +144,13 @@ def test_leak_shows_as_growing_rss(fp16_leaky_run):
     rss = [r["rss"] for r in sorted(steps_of(out), key=lambda r: r["step"])]
     growth_mb = [(b - a) / 2**20 for a, b in itertools.pairwise(rss[2:])]
     assert min(growth_mb) > 12, growth_mb  # 16 MB a step, every step after the warm-up
+
+
+def test_spike_multiplies_the_lr_of_one_step(fp16_leaky_run):
+    out, _ = fp16_leaky_run
+    lr = {r["step"]: r["lr"] for r in steps_of(out)}
+    assert lr[6] > 10 * max(lr[5], lr[7])  # x1000 on the scheduled LR, for step 6 only
+    assert lr[7] < lr[5]  # the schedule goes on as before
 
 
 def test_sigkill_keeps_every_finished_step(tmp_path):

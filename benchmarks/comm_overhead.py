@@ -7,6 +7,9 @@ the full default sweep (5 collectives, 1 KiB - 64 MiB) in <= 60 s.
    order flips every round so drifting machine load falls on both sides; the ratio is the median of
    the per-round ratios (each pair measured back to back), which a shared machine's load swings move less
    than a ratio of medians.
+   Because a shared machine's load swings the ratio by several percent either way, the script also
+   times what comm-bench adds inside the timed loop (a time stamp and a progress tick per call) on its
+   own, which bounds the ratio without that noise.
 2. wall time: `ciuic-doctor comm-bench` with its defaults, launched as a user would (2 local ranks through
    torch's elastic launcher), from process start to exit.
 
@@ -34,7 +37,7 @@ def worker(rounds: int, iters: int) -> None:
     import torch.distributed as dist
     from ciuic_doctor.probes.comm_collectives import allocate, shape
     from ciuic_doctor.probes.comm_faults import Watch, default_store
-    from ciuic_doctor.probes.comm_measure import Timing, aggregate, measure_row
+    from ciuic_doctor.probes.comm_measure import Marks, Timing, aggregate, measure_row
 
     from ciuic_doctor.launch import init_distributed
     from ciuic_doctor.nccl import busbw_factor
@@ -86,9 +89,24 @@ def worker(rounds: int, iters: int) -> None:
             order = (("comm_bench", comm_bench), ("bare", bare))
             for name, fn in order if round_ % 2 == 0 else reversed(order):
                 figures[str(size)][name].append(fn(size))
+    # What comm-bench adds inside the timed loop, per call, measured alone (no noise from the collective):
+    # one time stamp and one progress tick. And what one heartbeat costs its thread, twice a second.
+    n = 100_000
+    marks = Marks(n + 1, cpu)
+    start = time.perf_counter()
+    for i in range(n):
+        marks.mark(i + 1)
+        watch.tick()
+    per_call_us = (time.perf_counter() - start) / n * 1e6
+    start = time.perf_counter()
+    for i in range(200):
+        watch.store.set(f"bench/{rank}", str(i))
+    beat_us = (time.perf_counter() - start) / 200 * 1e6
     watch.stop()
     dist.destroy_process_group()
     if rank == 0:
+        figures["per_call_us"] = per_call_us  # type: ignore[assignment]
+        figures["heartbeat_us"] = beat_us  # type: ignore[assignment]
         print(RESULT + json.dumps(figures), flush=True)
 
 
@@ -137,11 +155,14 @@ def main() -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="measure the busbw ratio only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    from ciuic_doctor.nccl import busbw_factor
+
     if args.worker:
         worker(args.rounds, args.iters)
         return 0
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     figures = busbw_ratio(args.rounds, args.iters)
+    per_call_us, beat_us = figures.pop("per_call_us"), figures.pop("heartbeat_us")
     ok = True
     for size, sides in figures.items():
         cb, bare = statistics.median(sides["comm_bench"]), statistics.median(sides["bare"])
@@ -152,6 +173,14 @@ def main() -> int:
             f"comm-bench busbw {cb:.3f} GB/s, bare loop {bare:.3f} GB/s (medians); "
             f"median per-round ratio {ratio:.3f} (goal >= 0.97)"
         )
+        op_us = int(size) / (bare / busbw_factor("all_reduce", 2)) / 1e3
+        print(
+            f"  comm-bench adds {per_call_us:.2f} us per timed call (time stamp + progress tick) to a "
+            f"{op_us / 1e3:.1f} ms call: that alone bounds the ratio at >= {1 - per_call_us / op_us:.5f}"
+        )
+    print(
+        f"heartbeat thread: {beat_us:.0f} us per store.set, twice a second ({beat_us / 5e3:.3f}% of a core)"
+    )
     if not args.skip_sweep:
         wall, rows = sweep_wall_time()
         ok &= wall <= 60

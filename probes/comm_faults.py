@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HEARTBEAT_S = 0.5
-DEAD_AFTER_S = 4 * HEARTBEAT_S  # four missed beats: a live rank, even on a loaded machine, beats by then
+DEAD_AFTER_S = 6 * HEARTBEAT_S  # six missed beats: a live rank beats by then even on an overloaded machine
 STALL_GRACE_S = 10.0  # beyond the process-group timeout, so the backend's own timeout reports first
 FAULT_ENV = "CIUIC_COMM_FAULT"
 _PREFIX = "ciuic_comm/"

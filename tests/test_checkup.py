@@ -24,7 +24,7 @@ def test_checkup_end_to_end_writes_every_output(tmp_path, cli):
     env = {"HF_TOKEN": SECRET, "TORCH_CIUIC_TEST_NOTE": f"copied {SECRET}"}  # captured into meta.json's env
     result = cli(
         "checkup", "--out", str(run), "--nproc", "2", "--steps", "10", "--loader-budget", "6",
-        timeout=240, env=env,
+        timeout=300, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for name in (*OUTPUTS, "findings.json", "meta.json", "comm.jsonl", "loader.jsonl", "memwatch.jsonl"):

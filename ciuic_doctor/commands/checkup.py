@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         ("loader-sweep", loader_argv, args.loader_budget + 90.0),
         ("job", job_argv, 300.0),
         ("memwatch", [], 0.0),  # attached to the job, see below
-        ("checkpoint-check", ["checkpoint-check", *spec_args, "--out", out], 180.0),
+        ("checkpoint-check", ["checkpoint-check", *spec_args, "--nproc", str(nproc), "--out", out], 180.0),
     ]
     checkup = Checkup(run_dir, total=len(plan) + 1)
     for name, argv, timeout_s in plan:

@@ -140,8 +140,13 @@ def longest_waits(ctx: Context) -> list[tuple[str, float]]:
         if load:
             waits.append(("checkpoint load", load))
     risk = ctx.first("timeout_risk")
-    if risk is not None and as_float(risk.evidence.get("save_s")):
-        waits.append(("checkpoint save (timeout check)", as_float(risk.evidence["save_s"]) or 0.0))
+    if risk is not None:
+        # the checkpoint doctor names the longest wait it saw (a save, the barrier, a broadcast load)
+        longest = as_float(risk.evidence.get("longest_wait_s"))
+        if longest:
+            waits.append((f"checkpoint: {risk.evidence.get('longest_wait') or 'longest wait'}", longest))
+        elif as_float(risk.evidence.get("save_s")):
+            waits.append(("checkpoint save (timeout check)", as_float(risk.evidence["save_s"]) or 0.0))
     step = ctx.measured("step_time")
     if step is not None:
         medians = step.evidence.get("median_step_time_s") or step.evidence.get("step_time_s") or {}

@@ -10,11 +10,13 @@ What one measurement records (all per configuration and round):
 - `epoch_start_s`: iterator creation (forking the workers) to the first batch = what a loader *without*
   persistent workers pays at every epoch start; `persistent_restart_s`: the same for the second epoch
   of a persistent loader. Both excluded from the throughput.
-- warm-up: the first num_workers × prefetch_factor + 1 batches are excluded. Workers start one after
-  the other and run up to prefetch_factor batches ahead, so the first ones are served from a buffer
-  filled during start-up; counting them inflated short windows by a third in trials on 2 cores.
+- warm-up: the first num_workers + 1 batches (every worker's first, which carries its start-up) are
+  excluded.
 - `samples_per_s` over whole groups of max(1, num_workers) batches (one turn of the round-robin over the
-  workers, so the window does not end in the middle of a turn), `group_s` per group for the noise,
+  workers, so the window does not end in the middle of a turn), timed by when the batches were
+  *produced* (see `_measure`): timed as the loop took them (`taken_samples_per_s`, kept for
+  comparison), short windows on a busy 2-core node read up to 3x what 2 cores can produce, because a
+  descheduled loop finds workers × prefetch_factor batches waiting. `group_s` per group for the noise;
   `batch_latency_p50_ms`/`p99_ms`: how long the loop waited in `next()` for each batch.
 - worker USS/PSS/RSS growth (psutil, /proc/PID/smaps_rollup) from the end of warm-up to the end of the
   window, and `shm_need_bytes` = workers × prefetch_factor × batch bytes.
@@ -163,13 +165,28 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def timed_collate(samples: list[Any]) -> tuple[Any, float]:
+    """default_collate, and the moment the batch was ready (CLOCK_MONOTONIC is one clock for every
+    process on the machine, so a worker's stamp compares with the main process's)."""
+    from torch.utils.data import default_collate
+
+    return default_collate(samples), time.monotonic()
+
+
 def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
-    """The child's work: build the loader, time it, and return the record fields."""
+    """The child's work: build the loader, time it, and return the record fields.
+
+    The rate is taken from when batches were *produced* (stamped by `timed_collate`), not from when the
+    loop took them: a loop that was descheduled for a moment finds up to workers × prefetch_factor
+    batches waiting, and taking them in a burst would read as throughput the pipeline cannot sustain.
+    Production itself is throttled to the loop's pace whenever the loop is the bottleneck (workers get
+    a new index only when a batch is taken), so it is the steady-state rate either way.
+    """
     from torch.utils.data import DataLoader, IterableDataset
 
     workers = cfg.num_workers
     group = max(1, workers)
-    warmup = workers * (cfg.prefetch_factor or 0) + 1
+    warmup = workers + 1
     iterable = isinstance(dataset, IterableDataset)
     sampler = None if iterable else SteerableSampler(len(dataset), batch_size=plan.batch_size, seed=plan.seed)
     loader = DataLoader(
@@ -177,6 +194,7 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         batch_size=plan.batch_size,
         sampler=sampler,
         drop_last=True,
+        collate_fn=timed_collate,
         num_workers=workers,
         prefetch_factor=cfg.prefetch_factor if workers else None,
         pin_memory=cfg.pin_memory,
@@ -184,12 +202,14 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         timeout=plan.timeout_s if workers else 0,
     )
     step_s = plan.step_ms / 1000.0
-    t_child = time.perf_counter()
+    t_child = time.monotonic()
+    produced: list[float] = []
 
     def fetch(iterator: Any) -> tuple[Any, float]:
-        t0 = time.perf_counter()
-        batch = next(iterator)
-        waited = time.perf_counter() - t0
+        t0 = time.monotonic()
+        batch, ready = next(iterator)
+        waited = time.monotonic() - t0
+        produced.append(ready)
         if plan.device:
             batch = _to_device(batch, plan.device, cfg.pin_memory)
         conn.send(("beat", None))
@@ -197,11 +217,10 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
             time.sleep(step_s)  # the accelerator's step: the CPU is free meanwhile (not synchronisation)
         return batch, waited
 
-    t_start = time.perf_counter()
     iterator = iter(loader)
     conn.send(("pids", _pids(iterator)))  # so the parent can wait for the workers' end after killing them
     first, _ = fetch(iterator)
-    epoch_start_s = time.perf_counter() - t_start
+    epoch_start_s = time.monotonic() - t_child
     nbytes = batch_nbytes(first)
     for _ in range(warmup - 1):
         fetch(iterator)
@@ -210,25 +229,28 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
     if plan.window_s is not None:
         target_s = plan.window_s
     else:
-        target_s = max(0.0, (plan.slot_s or 0.0) - (time.perf_counter() - t_child))
+        target_s = max(0.0, (plan.slot_s or 0.0) - (time.monotonic() - t_child))
     waits: list[float] = []
-    group_s: list[float] = []
-    t_window = t_group = time.perf_counter()
-    fetched = 0
+    taken_s: list[float] = []  # per group, as the loop took them: only to steer the window
+    group_s: list[float] = []  # per group, as produced: the rate
+    ready_mark = max(produced[-group:])  # the last warm-up group was complete
+    t_window = t_group = time.monotonic()
     while True:
         try:
             _, waited = fetch(iterator)
         except StopIteration:
             break
         waits.append(waited)
-        fetched += 1
-        if fetched % group == 0:
-            now = time.perf_counter()
-            group_s.append(now - t_group)
+        if len(waits) % group == 0:
+            now = time.monotonic()
+            taken_s.append(now - t_group)
             t_group = now
+            ready = max(produced[-group:])
+            group_s.append(max(0.0, ready - ready_mark))  # worker skew can reorder; the sum telescopes
+            ready_mark = max(ready_mark, ready)
             # Steer the window to about target_s by the mean group time so far (a single group can
             # be served from the prefetch buffer and would mislead).
-            wanted = max(plan.min_groups, math.ceil(target_s * len(group_s) / max(sum(group_s), 1e-6)))
+            wanted = max(plan.min_groups, math.ceil(target_s * len(taken_s) / max(sum(taken_s), 1e-6)))
             if sampler is not None:
                 sampler.end_after(warmup=warmup, group=group, groups=wanted)
             if iterable and len(group_s) >= wanted:
@@ -237,18 +259,19 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         import torch
 
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t_window
+    elapsed = time.monotonic() - t_window
     usable = len(group_s) * group  # whole groups only
-    elapsed_groups = sum(group_s)
+    produced_s = sum(group_s)
     result: dict[str, Any] = {
         "status": "ok",
         "warmup_batches": warmup,
         "window_target_s": round(target_s, 6),
         "window_batches": usable,
         "samples": usable * plan.batch_size,
-        "elapsed_s": round(elapsed_groups, 6),
+        "elapsed_s": round(produced_s, 6),
         "window_wall_s": round(elapsed, 6),
-        "samples_per_s": usable * plan.batch_size / elapsed_groups if elapsed_groups > 0 else 0.0,
+        "samples_per_s": usable * plan.batch_size / produced_s if produced_s > 0 else 0.0,
+        "taken_samples_per_s": usable * plan.batch_size / sum(taken_s) if sum(taken_s) > 0 else 0.0,
         "group_s": [round(g, 6) for g in group_s],
         "batch_latency_p50_ms": round(1000 * _percentile(waits, 0.5), 3) if waits else None,
         "batch_latency_p99_ms": round(1000 * _percentile(waits, 0.99), 3) if waits else None,
@@ -260,9 +283,9 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         **_growth(mem_before, _memory(pids)),
     }
     if workers and not iterable:  # the epoch ended exactly here: a second one shows the persistent restart
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         fetch(iter(loader))
-        result["persistent_restart_s"] = round(time.perf_counter() - t0, 6)
+        result["persistent_restart_s"] = round(time.monotonic() - t0, 6)
     return result
 
 
@@ -317,10 +340,18 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
     worker_crashed, crashed, error) and `wall_s`, never raises for what the dataset does."""
     receiver, sender = connection.Pipe(duplex=False)
     t0 = time.perf_counter()
-    pid = os.fork()
+    # Ctrl-C / SIGTERM wait until the fork is over: a KeyboardInterrupt raised inside an at-fork hook
+    # (logging registers one) is printed and swallowed, and the sweep would go on as if nothing came.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        raise
     if pid == 0:  # the child: own process group, so the parent can kill it with its workers
-        receiver.close()
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+            receiver.close()
             os.setpgid(0, 0)
             sender.send(("done", _measure(sender, dataset, cfg, plan)))
         except BaseException as exc:
@@ -334,6 +365,7 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
     result: dict[str, Any]
     workers: list[int] = []
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a pending Ctrl-C is raised here, in the try
         while True:
             if not receiver.poll(watchdog_s(plan.timeout_s)):
                 result = {

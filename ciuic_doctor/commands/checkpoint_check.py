@@ -1,0 +1,177 @@
+"""Measure what a checkpoint of the job costs and whether resuming from it continues the same run.
+
+On the embedded job (or --spec), on --nproc local ranks (default 2) or on the ranks torchrun started: trains
+--steps-before steps, saves the job's way (rank 0 writes, every rank waits at a barrier) --repeats times,
+loads every way side by side (every rank reads with torch.load(weights_only=True), and the seed article's
+rank 0 reads + broadcast_object_list), recording per rank the save and load times, the size, the others'
+barrier wait and the peak host memory during the load. The longest wait is judged against the spec's
+process-group timeout (the measurement itself runs under a generous one, so a save longer than your
+timeout is measured, not fatal). Then resume fidelity: the run goes on --steps-after steps; a fresh
+Trainer restarted from the checkpoint runs the same steps; losses must match step by step (bit-identical
+on CPU) and a fingerprint of weights, optimizer, LR, GradScaler, Python/NumPy/torch/CUDA RNG and data
+position must match, which names the state a checkpoint lacks. Records: RUN/checkpoint.jsonl.
+
+Your own checkpoint functions (module:callable or path/file.py:callable):
+  --save: save(state: dict, path: str) -> None, called on rank 0 with the job's full checkpoint dict
+  --load: load(path: str) -> dict, called on every rank (and on rank 0 for the broadcast method)
+What your format leaves out shows up as missing state in the resume check.
+
+--drop optimizer,scheduler,scaler,rng,sampler (a demonstration and test aid) resumes from a copy of the
+checkpoint without those components, to show what each omission does; repeat --drop for several copies.
+--inspect CKPT examines any checkpoint file without training: is it loadable with weights_only=True
+(a file that needs arbitrary pickle is a finding and is never unpickled), which kinds of state it lacks.
+Exit code 0 when measured (findings carry the verdicts; --strict: 1 when any check failed), 1 when the
+probe itself failed (a rank died, your function raised), 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ciuic_doctor.commands._common import add_out, positive_int
+
+NAME = "checkpoint-check"
+HELP = "checkpoint save/load cost, barrier wait vs timeout, resume fidelity, unsafe pickle"
+ORDER = 65
+DEFAULT_NPROC = 2  # enough for a barrier wait and a broadcast; more local ranks add little on one host
+# Set for the ranks `launch_local` starts: the parent prints the one failure line, not every rank.
+PARENT_ENV = "CIUIC_CHECKPOINT_PARENT_REPORTS"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec", metavar="FILE", help="job spec TOML merged over the default (jobs/default.toml)"
+    )
+    parser.add_argument(
+        "--nproc", type=positive_int, help=f"local ranks when not under torchrun (default {DEFAULT_NPROC})"
+    )
+    parser.add_argument(
+        "--steps-before", type=positive_int, default=4, metavar="N", help="steps before the checkpoint (4)"
+    )
+    parser.add_argument(
+        "--steps-after", type=positive_int, default=4, metavar="M", help="steps compared after it (4)"
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, metavar="R", help="saves and loads timed (3)"
+    )
+    parser.add_argument("--save", metavar="MOD:FN", help="your save(state: dict, path: str), on rank 0")
+    parser.add_argument("--load", metavar="MOD:FN", help="your load(path: str) -> dict")
+    parser.add_argument(
+        "--drop",
+        metavar="LIST",
+        action="append",
+        default=[],
+        help="demonstration: also resume from a copy without these (optimizer,scheduler,scaler,rng,sampler)",
+    )
+    parser.add_argument("--inspect", metavar="CKPT", help="examine this checkpoint file only (no training)")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when any check failed")
+    add_out(parser)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """Every user mistake as one line before any rank starts."""
+    from ciuic_doctor.errors import UserError
+
+    if args.inspect:
+        extra = [flag for flag in ("save", "load", "spec") if getattr(args, flag)] + (
+            ["drop"] if args.drop else []
+        )
+        if extra:
+            raise UserError(f"--inspect examines a file only; it takes no --{', --'.join(extra)}")
+        path = Path(args.inspect)
+        if not path.is_file():
+            raise UserError(
+                f"--inspect {path}: no such file" if not path.exists() else f"--inspect {path}: not a file"
+            )
+        return
+    from ciuic_doctor.jobs.spec import load_spec
+    from ciuic_doctor.probes.checkpoint_options import parse_drops, resolve_callable
+
+    parse_drops(args.drop)
+    load_spec(args.spec)
+    for option, text, arity in (("--save", args.save, 2), ("--load", args.load, 1)):
+        if text:
+            resolve_callable(text, option, arity)
+
+
+def _config(args: argparse.Namespace, argv: list[str]):  # -> CheckConfig
+    from ciuic_doctor.probes.checkpoint_check import CheckConfig
+
+    return CheckConfig(
+        spec_path=args.spec,
+        steps_before=args.steps_before,
+        steps_after=args.steps_after,
+        repeats=args.repeats,
+        save=args.save,
+        load=args.load,
+        drops=list(args.drop),
+        strict=args.strict,
+        out=args.out,
+        argv=argv,
+    )
+
+
+def _absolute_callable(text: str | None) -> str | None:
+    """file.py:fn with an absolute path, so the ranks find the file wherever they start."""
+    if not text:
+        return text
+    target, _, name = text.rpartition(":")
+    return f"{Path(target).resolve()}:{name}" if target.endswith(".py") else text
+
+
+def _child_argv(args: argparse.Namespace, run_path: Path) -> list[str]:
+    argv = [NAME, "--out", str(run_path), "--steps-before", str(args.steps_before)]
+    argv += ["--steps-after", str(args.steps_after), "--repeats", str(args.repeats)]
+    if args.spec:
+        argv += ["--spec", str(Path(args.spec).resolve())]
+    for flag, value in (("--save", args.save), ("--load", args.load)):
+        if value:
+            argv += [flag, _absolute_callable(value)]
+    for item in args.drop:
+        argv += ["--drop", item]
+    return argv  # --strict is the parent's to apply: a rank's exit 1 would read as a dead rank
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from ciuic_doctor.errors import ProbeFailed
+    from ciuic_doctor.launch import in_torchrun
+
+    _validate(args)
+    if args.inspect:
+        from ciuic_doctor.probes.checkpoint_check import run_inspect
+
+        return run_inspect(Path(args.inspect), args.out, strict=args.strict)
+    if in_torchrun() or (args.nproc or DEFAULT_NPROC) == 1:
+        from ciuic_doctor.probes.checkpoint_check import run_check
+
+        try:
+            return run_check(_config(args, sys.argv[1:]))
+        except ProbeFailed:
+            if os.environ.get(PARENT_ENV):
+                return 1
+            raise
+
+    from ciuic_doctor.launch import launch_local
+    from ciuic_doctor.store import RunDir, default_run_path
+
+    nproc = args.nproc or DEFAULT_NPROC
+    run_dir = RunDir.create(default_run_path(NAME, args.out))
+    print(f"launching {nproc} local ranks -> {run_dir.path}", flush=True)
+    try:
+        launch_local(
+            nproc, _child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env={PARENT_ENV: "1"}
+        )
+    except ProbeFailed:
+        entry = run_dir.read_meta().get("probes", {}).get(NAME, {})
+        if entry.get("message"):
+            raise ProbeFailed(entry["message"]) from None
+        raise
+    if args.strict:
+        from ciuic_doctor.analysis import checkpoint
+
+        return 1 if any(f.verdict == "fail" for f in checkpoint.analyze(run_dir)) else 0
+    return 0

@@ -10,8 +10,9 @@ What one measurement records (all per configuration and round):
 - `epoch_start_s`: iterator creation (forking the workers) to the first batch = what a loader *without*
   persistent workers pays at every epoch start; `persistent_restart_s`: the same for the second epoch
   of a persistent loader. Both excluded from the throughput.
-- warm-up: the first num_workers + 1 batches (every worker's first, which carries its start-up) are
-  excluded.
+- warm-up: the first 3 × num_workers + 1 batches (three turns of every worker, plus one) are excluded:
+  a new worker's first batches pay its start-up and the copy-on-write faults of a freshly forked
+  process; on 2 cores the first 2-3 turns ran up to 10x slower than the rest.
 - `samples_per_s` over whole groups of max(1, num_workers) batches (one turn of the round-robin over the
   workers, so the window does not end in the middle of a turn), timed by when the batches were
   *produced* (see `_measure`): timed as the loop took them (`taken_samples_per_s`, kept for
@@ -33,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from multiprocessing import connection
 from typing import Any
+
+import psutil  # imported before the fork: importing it mid-measurement stalled the loop by ~50 ms
 
 REAP_TIMEOUT_S = 10.0  # SIGKILL cannot be ignored; this only bounds a wait on a frozen kernel
 
@@ -116,9 +119,7 @@ def _pids(iterator: Any) -> list[int]:
 
 
 def _memory(pids: list[int]) -> dict[int, tuple[int, int, int]]:
-    """(uss, pss, rss) bytes per live worker pid."""
-    import psutil
-
+    """(uss, pss, rss) bytes per live worker pid (about 0.1 ms each, from /proc/PID/smaps_rollup)."""
     out = {}
     for pid in pids:
         with contextlib.suppress(psutil.Error):
@@ -186,7 +187,7 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
 
     workers = cfg.num_workers
     group = max(1, workers)
-    warmup = workers + 1
+    warmup = 3 * workers + 1
     iterable = isinstance(dataset, IterableDataset)
     sampler = None if iterable else SteerableSampler(len(dataset), batch_size=plan.batch_size, seed=plan.seed)
     loader = DataLoader(

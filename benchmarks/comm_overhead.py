@@ -13,7 +13,7 @@ the full default sweep (5 collectives, 1 KiB - 64 MiB) in <= 60 s.
 2. wall time: `ciuic-doctor comm-bench` with its defaults, launched as a user would (2 local ranks through
    torch's elastic launcher), from process start to exit.
 
-    .venv/bin/python benchmarks/comm_overhead.py [--rounds 16] [--iters 5] [--skip-sweep]
+    .venv/bin/python benchmarks/comm_overhead.py [--rounds 32] [--iters 5] [--skip-sweep]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def sweep_wall_time() -> tuple[float, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=16, help="rounds of (comm-bench, bare) per size")
+    parser.add_argument("--rounds", type=int, default=32, help="rounds of (comm-bench, bare) per size")
     parser.add_argument("--iters", type=int, default=5, help="timed all_reduce calls per measurement")
     parser.add_argument("--skip-sweep", action="store_true", help="measure the busbw ratio only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -105,6 +105,7 @@ def cost_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         "broadcast_load_s": _median_of_max(seed, "load_s"),
         "broadcast_peak_rss_bytes": _max(seed, "peak_rss_bytes"),
         "broadcast_rss_delta_bytes": _max(seed, "rss_delta_bytes"),
+        "broadcast_held_bytes": _max(seed, "held_bytes"),
         "median_step_s": as_float(reference.get("median_step_s")),
         "repeats": len(saves),
         "per_rank": _per_rank(records, sorted(ranks)),
@@ -342,19 +343,24 @@ def summary_lines(findings: list[Finding]) -> list[str]:
         ev = cost.evidence
         lines += [
             "",
-            f"{'load, side by side':<28} {'time (slowest rank)':>20} {'peak RSS':>12} {'RSS added':>12}",
+            f"{'load, side by side':<28} {'time (slowest rank)':>20} {'peak RSS':>12} {'RSS added':>12}"
+            f" {'tensors held':>13}",
             _row(
                 "every rank reads the file",
                 ev["load_s"],
                 ev["peak_load_rss_bytes"],
                 ev["load_rss_delta_bytes"],
+                ev.get("load_held_bytes"),
             ),
             _row(
                 "rank 0 reads + broadcast",
                 ev["broadcast_load_s"],
                 ev["broadcast_peak_rss_bytes"],
                 ev["broadcast_rss_delta_bytes"],
+                ev.get("broadcast_held_bytes"),
             ),
+            "(RSS added is on a warm process, which reuses heap freed earlier; a fresh one needs at least "
+            "the tensors held)",
         ]
     hint = cost.evidence.get("hint") if cost is not None else None
     if hint:
@@ -362,9 +368,9 @@ def summary_lines(findings: list[Finding]) -> list[str]:
     return lines
 
 
-def _row(name: str, seconds: Any, peak: Any, delta: Any) -> str:
+def _row(name: str, seconds: Any, peak: Any, delta: Any, held: Any) -> str:
     def size(n: Any) -> str:
         return format_bytes(n) if n is not None else "—"
 
     time_s = f"{seconds:.3f} s" if seconds is not None else "—"
-    return f"{name:<28} {time_s:>20} {size(peak):>12} {size(delta):>12}"
+    return f"{name:<28} {time_s:>20} {size(peak):>12} {size(delta):>12} {size(held):>13}"

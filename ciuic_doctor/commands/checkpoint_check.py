@@ -1,27 +1,24 @@
-"""Measure what a checkpoint of the job costs and whether resuming from it continues the same run.
-
-On the embedded job (or --spec), on --nproc local ranks (default 2) or on the ranks torchrun started: trains
---steps-before steps, saves the job's way (rank 0 writes, every rank waits at a barrier) --repeats times,
-loads every way side by side (every rank reads with torch.load(weights_only=True), and the seed article's
-rank 0 reads + broadcast_object_list), recording per rank the save and load times, the size, the others'
-barrier wait and the peak host memory during the load. The longest wait is judged against the spec's
-process-group timeout (the measurement itself runs under a generous one, so a save longer than your
-timeout is measured, not fatal). Then resume fidelity: the run goes on --steps-after steps; a fresh
-Trainer restarted from the checkpoint runs the same steps; losses must match step by step (bit-identical
-on CPU) and a fingerprint of weights, optimizer, LR, GradScaler, Python/NumPy/torch/CUDA RNG and data
-position must match, which names the state a checkpoint lacks. Records: RUN/checkpoint.jsonl.
-
-Your own checkpoint functions (module:callable or path/file.py:callable):
-  --save: save(state: dict, path: str) -> None, called on rank 0 with the job's full checkpoint dict
-  --load: load(path: str) -> dict, called on every rank (and on rank 0 for the broadcast method)
-What your format leaves out shows up as missing state in the resume check.
-
---drop optimizer,scheduler,scaler,rng,sampler (a demonstration and test aid) resumes from a copy of the
-checkpoint without those components, to show what each omission does; repeat --drop for several copies.
---inspect CKPT examines any checkpoint file without training: is it loadable with weights_only=True
-(a file that needs arbitrary pickle is a finding and is never unpickled), which kinds of state it lacks.
-Exit code 0 when measured (findings carry the verdicts; --strict: 1 when any check failed), 1 when the
-probe itself failed (a rank died, your function raised), 2 for a usage error.
+"""Measure what a checkpoint of the job costs and whether a run resumed from it continues the same run.
+It trains the embedded job (or the one --spec describes) on --nproc local ranks (default 2), or on the
+ranks torchrun started. Cost: the job's save (rank 0 writes, every rank waits at a barrier) and two loads
+side by side, every rank reading the file with torch.load(weights_only=True) and the seed article's rank 0
+read + broadcast_object_list, --repeats times each; per rank the save and load times, the size, the
+others' barrier wait and the peak host memory during the load. The longest wait is judged against the
+spec's process-group timeout; the measurement itself runs under a generous timeout, so a save longer
+than yours is measured, not fatal. Resume fidelity: after --steps-before steps and the checkpoint, the run
+goes on --steps-after steps; a fresh Trainer restarted from the checkpoint runs the same steps. Losses
+must match step by step (bit-identical on CPU), and so must a fingerprint of weights, optimizer state,
+LR, GradScaler, Python/NumPy/torch/CUDA RNG states and data position, which names the state a checkpoint
+lacks even when the loss does not show it yet. Records go to RUN/checkpoint.jsonl. Your own checkpoint
+code is measured the same way with --save MOD:FN, a save(state: dict, path: str) called on rank 0 with
+the job's full checkpoint dict, and --load MOD:FN, a load(path: str) returning that dict (MOD may be a
+module or path/file.py); whatever your format leaves out shows up as missing state. --drop LIST (a
+demonstration and test aid; repeatable) also resumes from a copy of the checkpoint without those
+components (optimizer, scheduler, scaler, rng, sampler), to show what each omission does. --inspect CKPT
+examines any checkpoint file without training: whether weights_only=True can read it (a file that needs
+arbitrary pickle is a finding and is never unpickled) and which kinds of state it lacks. Exit code 0 when
+measured, whatever was found (--strict: 1 when any check failed); 1 when the probe itself failed (a rank
+died, your function raised); 2 for a usage error.
 """
 
 from __future__ import annotations

@@ -60,7 +60,9 @@ class SyntheticDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         busy_cpu(self.sample_cost_ms)
-        return torch.full((self.sample_bytes,), (index + self.seed) % 251, dtype=torch.uint8)
+        # Built from a bytearray, not torch.full: torch.full parallelises large fills over intra-op
+        # threads, whose spinning made one main-process sample cost 5x its CPU budget on 2 cores.
+        return torch.frombuffer(bytearray([(index + self.seed) % 251]) * self.sample_bytes, dtype=torch.uint8)
 
 
 def load_callable(text: str) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import shutil
 import statistics
 import time
@@ -271,7 +272,11 @@ class Sweep:
         s = self.settings
         measured = []
         fixed_window = s.strategy == "grid" and s.grid_window_s is not None
-        for index, cfg in enumerate(configs, 1):
+        # A shuffled order, so a load that drifts during a round does not always favour the same end
+        # of the grid (on a shared node it drifts by 2x within a minute).
+        order = list(configs)
+        random.Random(s.seed * 1000 + round_no).shuffle(order)
+        for index, cfg in enumerate(order, 1):
             base = {
                 "kind": "measure",
                 "round": round_no,

@@ -177,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
         dataset, source = datasets.dataset_from_job_spec(spec)
     batch_size = args.batch_size or spec.batch.per_process
 
+    # The loop runs like one of the job's ranks: torchrun sets OMP_NUM_THREADS=1 when it starts more
+    # than one process per node, and with num_workers=0 the collate runs on those intra-op threads.
+    if lws > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     accelerator = torch.cuda.is_available()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0') or 0)}" if accelerator else None
     dl = spec.dataloader
@@ -214,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
         "pin_memory_swept": accelerator,
         "pin_memory_note": None if accelerator else "no accelerator: pin_memory cannot help, not swept",
         "device": device,
+        "torch_threads": torch.get_num_threads(),
         "budget_s": args.budget,
         "timeout_s": args.timeout,
         "step_ms": args.step_ms,

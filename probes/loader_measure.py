@@ -203,6 +203,10 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
         timeout=plan.timeout_s if workers else 0,
     )
     step_s = plan.step_ms / 1000.0
+    if plan.device:  # create the device context now, or the first batch's time would include it
+        import torch
+
+        torch.zeros(1, device=plan.device)
     t_child = time.monotonic()
     produced: list[float] = []
 

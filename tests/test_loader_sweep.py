@@ -57,6 +57,10 @@ def not_a_dataset() -> list[int]:
     return [1, 2, 3]
 
 
+def tiny_dataset() -> Dataset:
+    return SyntheticDataset(num_samples=3)
+
+
 class HangInWorker(Dataset):
     def __len__(self) -> int:
         return 64
@@ -225,6 +229,10 @@ def test_a_bad_dataset_path_is_one_line_and_exit_2(run_path):
         (["--dataset", "test_loader_sweep:missing"], "has no attribute 'missing'"),
         (["--dataset", "test_loader_sweep"], "expected module:callable"),
         (["--dataset", "json:dumps"], "calling it raised TypeError"),
+        (
+            ["--dataset", "test_loader_sweep:tiny_dataset", "--batch-size", "8"],
+            "3 samples, fewer than one batch",
+        ),
         (["--dataset", "json:dumps", "--sample-cost-ms", "1"], "different datasets"),
         (["--workers", "1,x"], "--workers '1,x': expected whole numbers"),
         (["--prefetch", "0"], "values must be 1 or more"),

@@ -176,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         dataset, source = datasets.dataset_from_job_spec(spec)
     batch_size = args.batch_size or spec.batch.per_process
+    length = datasets.describe(dataset).get("length")
+    if length is not None and length < batch_size:
+        raise UserError(f"the dataset has {length} samples, fewer than one batch of {batch_size}")
 
     # The loop runs like one of the job's ranks: torchrun sets OMP_NUM_THREADS=1 when it starts more
     # than one process per node, and with num_workers=0 the collate runs on those intra-op threads.

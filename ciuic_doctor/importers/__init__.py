@@ -1,0 +1,239 @@
+"""Other frameworks' training logs -> one normalized step table the stability analysis reads.
+
+    load(paths, fmt="auto") -> StepLog      table + lines read / lines that belonged to nothing
+
+The table (a pandas DataFrame, one row per logged step or logging interval, in file order):
+
+    step            int     last optimizer step the row covers (Megatron logs an interval, the others a step)
+    rank            Int64   rank that wrote the row, <NA> when the log does not say
+    t               float   unix seconds, NaN when the log has no time stamps
+    loss            float   training loss (mean over the interval); NaN when absent, or non-finite itself
+    lr              float   learning rate
+    grad_norm       float   total gradient norm before clipping
+    loss_scale      float   dynamic loss scale (fp16); NaN when unknown
+    skipped         int     optimizer steps the loss scaler skipped in the row (0/1 for a per-step row)
+    nonfinite       int     iterations whose loss was NaN/inf (Megatron counts them, drops the loss value)
+    interval_steps  int     optimizer steps the row covers (> 1 for Megatron/HF/Lightning logging intervals)
+    source          str     "<format>:<file name>"
+
+Formats: `ours` (the steps stream of a run directory), `megatron`, `deepspeed` (+ apex and fairseq
+overflow lines), `hf` (trainer_state.json), `lightning` (CSVLogger metrics.csv). `auto` sniffs each path.
+Every importer survives arbitrary bytes: what it cannot read it counts and skips, and a file with nothing
+it recognises ends in one `UserError` line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ciuic_doctor.errors import UserError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+FORMATS: tuple[str, ...] = ("ours", "megatron", "deepspeed", "hf", "lightning")
+COLUMNS: tuple[str, ...] = (
+    "step", "rank", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nonfinite",
+    "interval_steps", "source",
+)  # fmt: skip
+FLOAT_COLUMNS = ("t", "loss", "lr", "grad_norm", "loss_scale")
+SNIFF_BYTES = 4 << 20  # Megatron prints thousands of argument lines before the first iteration
+
+# What a text log of each kind always contains somewhere (Megatron: the per-interval iteration line;
+# DeepSpeed: an overflow, progress or scaler line, with apex's and fairseq's overflow messages).
+_MEGATRON_SIGN = re.compile(r"iteration\s+\d+\s*/\s*\d+\s*\|")
+_DEEPSPEED_SIGN = re.compile(
+    r"OVERFLOW!|step=\d+, skipped=\d+|Gradient overflow\.|overflow detected, setting loss scale"
+    r"|loss scale already at minimum|Minimum loss scale reached|\[deepspeed\]|\[deepscale\]"
+)
+
+
+@dataclass(kw_only=True)
+class StepLog:
+    """What the importers read: the normalized table and what they had to leave aside.
+
+    `events` holds what is not a step row, e.g. {"kind": "scale_at_minimum", "step": 812} (DeepSpeed's
+    fatal "already at minimum"). `min_scale` is the framework's loss-scale floor (Megatron and DeepSpeed 1,
+    fairseq 1e-4; None for torch.amp.GradScaler, which has none). `steps_known` is False when a log places
+    events only in order (DeepSpeed overflow lines without any `step=` line).
+    """
+
+    table: Any  # pandas.DataFrame with COLUMNS
+    formats: dict[str, str] = field(default_factory=dict)
+    read_lines: int = 0
+    unread_lines: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    framework: str | None = None
+    min_scale: float | None = None
+    precision: str | None = None
+    clip_max_norm: float | None = None
+    steps_known: bool = True
+
+    @property
+    def rows(self) -> int:
+        return len(self.table)
+
+
+def empty_table() -> pd.DataFrame:
+    return normalize({})
+
+
+def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
+    """A DataFrame with exactly COLUMNS and their dtypes from whatever subset `columns` holds."""
+    import numpy as np
+    import pandas as pd
+
+    n = max((len(v) for v in columns.values() if hasattr(v, "__len__")), default=0)
+
+    def col(name: str, fill: Any) -> Any:
+        value = columns.get(name)
+        return np.full(n, fill) if value is None else value
+
+    frame = pd.DataFrame(
+        {
+            "step": pd.to_numeric(pd.Series(col("step", 0)), errors="coerce"),
+            "rank": pd.array(pd.to_numeric(pd.Series(col("rank", np.nan)), errors="coerce"), dtype="Float64"),
+            **{
+                name: pd.to_numeric(pd.Series(col(name, np.nan)), errors="coerce").astype("float64")
+                for name in FLOAT_COLUMNS
+            },
+            "skipped": pd.to_numeric(pd.Series(col("skipped", 0)), errors="coerce"),
+            "nonfinite": pd.to_numeric(pd.Series(col("nonfinite", 0)), errors="coerce"),
+            "interval_steps": pd.to_numeric(pd.Series(col("interval_steps", 1)), errors="coerce"),
+        }
+    )
+    frame = frame[frame["step"].notna() & np.isfinite(frame["step"].astype("float64"))]
+    frame["step"] = frame["step"].astype("int64")
+    rank = frame["rank"]
+    frame["rank"] = rank.where(rank.notna() & (rank >= 0) & (rank == rank.round())).astype("Int64")
+    for name in ("skipped", "nonfinite"):
+        frame[name] = frame[name].fillna(0).clip(lower=0).astype("int64")
+    frame["interval_steps"] = frame["interval_steps"].fillna(1).clip(lower=1).astype("int64")
+    frame["source"] = source
+    return frame.reset_index(drop=True)[list(COLUMNS)]
+
+
+def intervals(step, rank=None):  # pandas Series -> Series of steps each row covers
+    """Steps since the same rank's previous row; the first row takes the next row's spacing."""
+    import pandas as pd
+
+    key = rank.fillna(-1) if rank is not None else pd.Series(0, index=step.index)
+    diff = step.groupby(key).diff()
+    diff = diff.where(diff > 0)  # a restart (iteration going back) gives no spacing
+    following = diff.groupby(key).bfill()
+    out = diff.fillna(following).fillna(1)
+    first = diff.isna() & step.notna()
+    out = out.where(~first | (step >= out), step.clip(lower=1))
+    return pd.to_numeric(out, errors="coerce").fillna(1)
+
+
+def sniff(path: str | Path) -> str:
+    """The format of `path`, from its name and its first bytes (UserError when nothing fits)."""
+    path = Path(path)
+    if path.is_dir():
+        return _sniff_dir(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    name = path.name.lower()
+    if name.endswith(".jsonl"):
+        return "ours"
+    if name == "trainer_state.json":
+        return "hf"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(SNIFF_BYTES)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read ({exc.strerror})") from None
+    text = head.decode("utf-8", errors="replace")
+    stripped = text.lstrip()
+    if stripped.startswith("{") and '"log_history"' in text:
+        return "hf"
+    if name.endswith(".csv") or _csv_header_has_step(text):
+        return "lightning"
+    if stripped.startswith("{") and '"step"' in text.split("\n", 1)[0]:
+        return "ours"
+    if _MEGATRON_SIGN.search(text):
+        return "megatron"
+    if _DEEPSPEED_SIGN.search(text):
+        return "deepspeed"
+    raise UserError(f"{path}: not a training log this tool knows (formats: {', '.join(FORMATS)})")
+
+
+def _csv_header_has_step(text: str) -> bool:
+    header = text.split("\n", 1)[0].strip()
+    return "," in header and "step" in [c.strip() for c in header.split(",")]
+
+
+def _sniff_dir(path: Path) -> str:
+    from ciuic_doctor.store import RunDir
+
+    if RunDir(path).has_stream("steps"):
+        return "ours"
+    if (path / "trainer_state.json").is_file():
+        return "hf"
+    if (path / "metrics.csv").is_file():
+        return "lightning"
+    raise UserError(
+        f"{path}: a directory without steps.jsonl, trainer_state.json or metrics.csv; "
+        "pass the log file itself"
+    )
+
+
+def check_format(fmt: str) -> str:
+    if fmt != "auto" and fmt not in FORMATS:
+        raise UserError(f"unknown log format {fmt!r}; known formats: auto, {', '.join(FORMATS)}")
+    return fmt
+
+
+def load(paths: str | Path | list[str | Path], fmt: str = "auto") -> StepLog:
+    """Read every path (each sniffed when `fmt` is "auto") into one StepLog, in the order given.
+
+    Several paths are concatenated: later files win where they repeat a (rank, step), which is what a
+    resumed run's second log means.
+    """
+    import pandas as pd
+
+    check_format(fmt)
+    if isinstance(paths, str | Path):
+        paths = [paths]
+    if not paths:
+        raise UserError("no log path given")
+    parts: list[StepLog] = []
+    for raw in paths:
+        path = Path(raw)
+        kind = sniff(path) if fmt == "auto" else fmt
+        if not path.exists():
+            raise UserError(f"{path}: no such file or directory")
+        module = importlib.import_module(f"{__name__}.{kind}")
+        try:
+            part = module.load(path)
+        except (OSError, MemoryError) as exc:
+            raise UserError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+        if part.table.empty:
+            raise UserError(
+                f"{path}: no training steps found as {kind} "
+                f"({part.read_lines} lines read, {part.unread_lines} not recognised)"
+            )
+        part.formats = {str(path): kind}
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    table = pd.concat([p.table for p in parts], ignore_index=True)
+    frameworks = {p.framework for p in parts if p.framework}
+    floors = [p.min_scale for p in parts if p.min_scale is not None]
+    return StepLog(
+        table=table,
+        formats={k: v for p in parts for k, v in p.formats.items()},
+        read_lines=sum(p.read_lines for p in parts),
+        unread_lines=sum(p.unread_lines for p in parts),
+        events=[e for p in parts for e in p.events],
+        framework=frameworks.pop() if len(frameworks) == 1 else ("mixed" if frameworks else None),
+        min_scale=max(floors) if floors else None,
+        precision=next((p.precision for p in parts if p.precision), None),
+        clip_max_norm=next((p.clip_max_norm for p in parts if p.clip_max_norm is not None), None),
+        steps_known=all(p.steps_known for p in parts),
+    )

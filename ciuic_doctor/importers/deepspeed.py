@@ -1,0 +1,227 @@
+"""DeepSpeed logs (and the overflow lines of apex and fairseq): what the loss scaler did, step by step.
+
+Lines read (after any python-logging prefix `[date time,ms] [LEVEL] [file.py:line:func] ` and any
+launcher prefix `[rank3]: ` / `3: `):
+
+    [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, reducing to 32768
+        (ints since 2023-03, floats such as `128.0, reducing to 64.0` before; `[deepscale]` in 2021 logs)
+    [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 65536, but hysteresis is 2.
+        Reducing hysteresis to 1                       (a skip that does not lower the scale)
+    Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.   (fatal)
+    [Rank 0] step=40, skipped=2, lr=[5e-05], mom=[[0.9, 0.999]]    (every steps_per_print; skipped is
+                                                                    cumulative, steps count skipped ones)
+    Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0     (apex)
+    overflow detected, setting loss scale to: 0.0625                                     (fairseq)
+    Minimum loss scale reached (0.0001). ...                                             (fairseq, fatal)
+
+DeepSpeed prints no loss of its own, so the rows carry the scaler's story: one row per `step=` line
+(skips in the interval, the scale after its last overflow). Overflow lines carry no step, so they are
+placed in the interval that ends at the next `step=` line; without any `step=` line each overflow is its
+own row numbered in order (`steps_known` False). Several ranks printing the same overflow count once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ciuic_doctor.importers import StepLog, normalize
+from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, read_chunks
+
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_LINE = re.compile(
+    r"^[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(?P<ts>" + TIMESTAMP + r")\])?[^\n]*?(?:"
+    r"(?P<ovf>(?:OVERFLOW!|overflow!|Overflow detected\.)(?: Rank (?P<orank>\d+))? Skipping step\.?"
+    r"(?: Attempted loss scale: (?P<attempted>" + _NUM + r"),? (?:reducing to (?P<reduced>" + _NUM + r")"
+    r"|but hysteresis is (?P<hyst>\d+)\. Reducing hysteresis to \d+))?)"
+    r"|(?P<min>loss scale already at minimum)"
+    r"|(?P<prog>(?:\[Rank (?P<grank>\d+)\] )?step=(?P<gstep>\d+), skipped=(?P<gskipped>\d+)"
+    r"(?:, lr=\[(?P<glr>[^\]\n]*)\])?)"
+    r"|(?P<apex>Gradient overflow\.\s+Skipping step, (?:loss scaler \d+ )?reducing loss scale to "
+    r"(?P<apex_scale>" + _NUM + r"))"
+    r"|(?P<fairseq>overflow detected, setting loss scale to: (?P<fs_scale>" + _NUM + r"))"
+    r"|(?P<fsmin>Minimum loss scale reached)"
+    r")",
+    re.M,
+)  # fmt: skip
+_FLOORS = {"deepspeed": 1.0, "fairseq": 1e-4, "apex": None}  # DeepSpeed min_loss_scale, fairseq default
+
+
+@dataclass(kw_only=True)
+class _Event:
+    kind: str  # overflow | minimum | progress
+    rank: float
+    t: float
+    attempted: float = math.nan
+    new_scale: float = math.nan
+    step: int = 0
+    skipped_total: int = 0
+    lr: float = math.nan
+
+
+def load(path: Path) -> StepLog:
+    events: list[_Event] = []
+    read = 0
+    frameworks: set[str] = set()
+    for text in read_chunks(path):
+        read += count_lines(text)
+        for match in _LINE.finditer(text):
+            events.append(_event(match, frameworks))
+    framework = "deepspeed" if "deepspeed" in frameworks or not frameworks else sorted(frameworks)[0]
+    log = StepLog(
+        table=None,
+        read_lines=read,
+        unread_lines=read - len(events),
+        framework=framework,
+        min_scale=_FLOORS.get(framework, 1.0),
+    )
+    if any(e.kind == "overflow" and math.isfinite(e.attempted) for e in events):
+        log.precision = "fp16"
+    source = f"deepspeed:{path.name}"
+    if any(e.kind == "progress" for e in events):
+        log.table = _by_progress(events, log, source)
+    else:
+        log.steps_known = False
+        log.table = _by_order(events, log, source)
+    return log
+
+
+def _event(match: re.Match, frameworks: set[str]) -> _Event:
+    prefix_rank = match.group(1) or match.group(2)
+    t = _stamp(match.group("ts")) if match.group("ts") else math.nan
+    if match.group("prog"):
+        frameworks.add("deepspeed")
+        lrs = match.group("glr") or ""
+        return _Event(
+            kind="progress",
+            rank=_rank(match.group("grank") or prefix_rank),
+            t=t,
+            step=int(match.group("gstep")),
+            skipped_total=int(match.group("gskipped")),
+            lr=_float(lrs.split(",")[0]),
+        )
+    if match.group("ovf"):
+        frameworks.add("deepspeed")
+        attempted = _float(match.group("attempted"))
+        # A hysteresis line skips the step but keeps the scale it attempted.
+        new = _float(match.group("reduced")) if match.group("reduced") else attempted
+        rank = _rank(match.group("orank") or prefix_rank)
+        return _Event(kind="overflow", rank=rank, t=t, attempted=attempted, new_scale=new)
+    if match.group("apex"):
+        frameworks.add("apex")
+        scale = _float(match.group("apex_scale"))
+        return _Event(kind="overflow", rank=_rank(prefix_rank), t=t, new_scale=scale)
+    if match.group("fairseq"):
+        frameworks.add("fairseq")
+        scale = _float(match.group("fs_scale"))
+        return _Event(kind="overflow", rank=_rank(prefix_rank), t=t, new_scale=scale)
+    frameworks.add("fairseq" if match.group("fsmin") else "deepspeed")
+    return _Event(kind="minimum", rank=_rank(prefix_rank), t=t)
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text else math.nan
+    except ValueError:  # e.g. a learning-rate list that is not numbers
+        return math.nan
+
+
+def _rank(text: str | None) -> float:
+    return float(text) if text else math.nan
+
+
+def _stamp(text: str) -> float:
+    from datetime import datetime, timezone
+
+    try:
+        return datetime.fromisoformat(text.replace(",", ".")).replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return math.nan
+
+
+def _by_progress(events: list[_Event], log: StepLog, source: str):
+    """One row per `step=` line; overflows since the previous one fall into its interval."""
+    steps = [e.step for e in events if e.kind == "progress"]
+    gaps = sorted(b - a for a, b in itertools.pairwise(steps) if b > a)
+    spacing = gaps[len(gaps) // 2] if gaps else 1  # steps_per_print
+    has_overflow_lines = any(e.kind == "overflow" for e in events)
+    rows: list[dict] = []
+    pending: list[_Event] = []
+    previous_total: int | None = None
+    for event in events:
+        if event.kind != "progress":
+            pending.append(event)
+            continue
+        if rows and event.step == rows[-1]["step"]:
+            continue  # the same progress line from another rank
+        if previous_total is not None and event.skipped_total >= previous_total:
+            skipped = event.skipped_total - previous_total
+        elif has_overflow_lines:
+            skipped = _count(pending)
+        elif event.step <= 2 * spacing:
+            skipped = event.skipped_total  # a fresh run: every skip so far is in this interval
+        else:
+            skipped = 0  # resumed with a cumulative count from before this log: unknown, not ours
+        interval = event.step - rows[-1]["step"] if rows else min(event.step, spacing)
+        rows.append(_row(event, skipped, pending, interval if interval > 0 else spacing))
+        _note_minimum(pending, event.step, log)
+        previous_total = event.skipped_total
+        pending = []
+    if pending:  # overflows after the last step= line (a run that died): one more interval
+        tail = pending[-1]
+        last = _Event(kind="progress", rank=tail.rank, t=tail.t, step=rows[-1]["step"] + spacing)
+        rows.append(_row(last, _count(pending), pending, spacing))
+        _note_minimum(pending, last.step, log)
+    return _frame(rows, source)
+
+
+def _by_order(events: list[_Event], log: StepLog, source: str):
+    """No step= line at all: each rank's k-th overflow is step k (ranks report the same skips)."""
+    rows = []
+    ordinal: dict[float, int] = {}
+    for event in events:
+        key = -1.0 if math.isnan(event.rank) else event.rank
+        if event.kind == "minimum":
+            log.events.append({"kind": "scale_at_minimum", "step": ordinal.get(key, 0) or None, "rank": None})
+            continue
+        ordinal[key] = ordinal.get(key, 0) + 1
+        place = _Event(kind="progress", rank=event.rank, t=event.t, step=ordinal[key])
+        rows.append(_row(place, 1, [event], 1))
+    return _frame(rows, source)
+
+
+def _count(pending: list[_Event]) -> int:
+    """Skips in an interval: the most any single rank reported (ranks skip the same steps)."""
+    per_rank: dict[float, int] = {}
+    for event in pending:
+        if event.kind == "overflow":
+            key = -1.0 if math.isnan(event.rank) else event.rank
+            per_rank[key] = per_rank.get(key, 0) + 1
+    return max(per_rank.values(), default=0)
+
+
+def _row(event: _Event, skipped: int, pending: list[_Event], interval: int) -> dict:
+    scales = [e.new_scale for e in pending if e.kind == "overflow" and math.isfinite(e.new_scale)]
+    return {
+        "step": event.step,
+        "rank": event.rank,
+        "t": event.t,
+        "lr": event.lr,
+        "loss_scale": min(scales) if scales else math.nan,  # unknown between overflows (growth is silent)
+        "skipped": skipped,
+        "interval": interval,
+    }
+
+
+def _note_minimum(pending: list[_Event], step: int, log: StepLog) -> None:
+    if any(e.kind == "minimum" for e in pending):
+        log.events.append({"kind": "scale_at_minimum", "step": step, "rank": None})
+
+
+def _frame(rows: list[dict], source: str):
+    columns = {key: [r[key] for r in rows] for key in ("step", "rank", "t", "lr", "loss_scale", "skipped")}
+    columns["interval_steps"] = [r["interval"] for r in rows]
+    return normalize(columns, source=source)

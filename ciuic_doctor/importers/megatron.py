@@ -1,0 +1,173 @@
+"""Megatron-LM training logs: one ` | `-separated line per logging interval.
+
+    [2024-05-01 12:00:00] iteration      100/  500000 | consumed samples: 51200 | elapsed time per
+    iteration (ms): 1254.3 | learning rate: 1.500000E-05 | global batch size: 512 | lm loss: 7.425780E+00 |
+    loss scale: 65536.0 | grad norm: 2.345 | number of skipped iterations:   0 | number of nan iterations: 0 |
+
+What varies between versions and runs, and is handled: the time stamp is optional; the learning rate is
+`%.3E` before 2024-03 and `%.6E` after; optional fields (throughput, consumed tokens, num zeros, params
+norm, MoE and other losses) come and go. The loss is the mean over the interval's applied iterations and is
+*absent* when every iteration was skipped, and also when one of them had a NaN loss (Megatron prints only
+a loss average > 0), which the `number of nan iterations` field then counts. `grad norm` is the last
+iteration's and is absent when that iteration was skipped. bf16 runs print `loss scale: 1.0`.
+
+Fast path: one regex over a few MB of text at a time, the captures joined into CSV for pandas' C parser
+(about 3 µs a line). A chunk with an iteration line the regex did not take goes line by line instead,
+where fields may come in any order.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+from ciuic_doctor.importers import StepLog, intervals, normalize
+from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, read_chunks, unix_seconds
+
+MIN_SCALE = 1.0  # Megatron's DynamicGradScaler min_scale default
+_SKIP = r"(?:[^|\n]*\|)*?"  # any fields in between, lazily
+# Lines are found by their leading newline (a literal the regex engine searches for quickly; `^` with
+# re.M would be tried at every character), so each chunk is matched with a "\n" put in front.
+_LINE = re.compile(
+    r"\n[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?"
+    r"[^\n|]*?\biteration\s+(\d+)\s*/\s*\d+\s*\|"
+    + _SKIP + r" learning rate: ([^ |\n]+) \|"
+    + r"(?:" + _SKIP + r" lm loss: ([^ |\n]+) \|)?"
+    + r"(?:" + _SKIP + r" loss scale: ([^ |\n]+) \|)?"
+    + r"(?:" + _SKIP + r" grad norm: ([^ |\n]+) \|)?"
+    + r"(?:" + _SKIP + r" number of skipped iterations: *(\d+) \|)?"
+    + r"(?:" + _SKIP + r" number of nan iterations: *(\d+) \|)?",
+    re.M,
+)  # fmt: skip
+_COLUMNS = ["rank_a", "rank_b", "ts", "step", "lr", "loss", "loss_scale", "grad_norm", "skipped", "nan"]
+_SLOW_HEAD = re.compile(
+    r"^[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?[^\n|]*?\biteration\s+(\d+)\s*/"
+)
+_FIELD_NAMES = {
+    "learning rate": "lr",
+    "lm loss": "loss",
+    "loss scale": "loss_scale",
+    "grad norm": "grad_norm",
+    "number of skipped iterations": "skipped",
+    "number of nan iterations": "nan",
+}
+
+
+def load(path: Path) -> StepLog:
+    import pandas as pd
+
+    frames = []
+    read = used = 0
+    for text in read_chunks(path):
+        read += count_lines(text)
+        frame = _fast(text)
+        if frame is None:
+            frame = _slow(text)
+        used += len(frame)
+        frames.append(frame)
+    raw = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_COLUMNS)
+    return StepLog(
+        table=_table(raw, source=f"megatron:{path.name}"),
+        read_lines=read,
+        unread_lines=read - used,
+        framework="megatron",
+        min_scale=MIN_SCALE,
+    )
+
+
+def _fast(text: str):  # -> DataFrame | None
+    import pandas as pd
+
+    found = _LINE.findall("\n" + text)
+    if len(found) != text.count(" learning rate: ") or not _same_fields(text):
+        return None  # an iteration line the fast regex could not take: read this chunk line by line
+    if not found:
+        return pd.DataFrame(columns=_COLUMNS)
+    # Captures never hold tabs or newlines (the patterns exclude them): tab-separated CSV is safe.
+    csv = "\n".join(map("\t".join, found))
+    return pd.read_csv(
+        io.StringIO(csv),
+        sep="\t",
+        header=None,
+        names=_COLUMNS,
+        dtype={"ts": "str"},
+        na_values=["NAN", "-NAN"],  # Megatron's `%E` of NaN (pandas already reads INF)
+    )
+
+
+_OPTIONAL = ((5, " lm loss: "), (6, " loss scale: "), (7, " grad norm: "), (8, " number of skipped"))
+
+
+def _same_fields(text: str) -> bool:
+    """The fast regex expects Megatron's field order; check on the chunk's first and last iteration lines
+    that every optional field a line has was captured (a fork that prints `lm loss` first would not be)."""
+    for pos in (text.find(" learning rate: "), text.rfind(" learning rate: ")):
+        if pos < 0:
+            continue
+        start = text.rfind("\n", 0, pos) + 1
+        end = text.find("\n", pos)
+        line = text[start : end if end >= 0 else len(text)]
+        match = _LINE.match("\n" + line)
+        if match is None:
+            return False
+        for group, name in _OPTIONAL:
+            if (name in line) != bool(match.group(group)):
+                return False
+    return True
+
+
+def _slow(text: str):  # -> DataFrame
+    import pandas as pd
+
+    rows = []
+    for line in text.split("\n"):
+        head = _SLOW_HEAD.match(line)
+        if head is None or "|" not in line:
+            continue
+        row = {"rank_a": head.group(1), "rank_b": head.group(2), "ts": head.group(3), "step": head.group(4)}
+        for part in line.split("|")[1:]:
+            name, sep, value = part.partition(":")
+            key = _FIELD_NAMES.get(name.strip())
+            if sep and key:
+                row[key] = value.strip()
+            elif sep and "loss" not in row and name.strip().endswith(" loss") and "value" not in name:
+                row["loss"] = value.strip()  # forks that name the main loss differently
+        rows.append(row)
+    return pd.DataFrame.from_records(rows, columns=_COLUMNS)
+
+
+def _numbers(series):  # -> float Series; anything that is not a number becomes NaN
+    import pandas as pd
+
+    if series.dtype.kind in "fiu":
+        return series.astype("float64")
+    return pd.to_numeric(series.astype("str").str.strip(), errors="coerce")
+
+
+def _table(raw, *, source: str):
+    import numpy as np
+
+    rank = _numbers(raw["rank_a"]).fillna(_numbers(raw["rank_b"]))
+    step = _numbers(raw["step"])
+    loss = _numbers(raw["loss"])
+    nan_iters = _numbers(raw["nan"]).fillna(0)
+    # A non-finite average is either printed (inf) or dropped (NaN is not > 0); both count as such.
+    loss_bad = (~np.isfinite(loss) & loss.notna()).astype("int64")
+    nonfinite = np.maximum(nan_iters.to_numpy(dtype="float64"), loss_bad.to_numpy())
+    loss = loss.where(nan_iters <= 0, np.nan)
+    return normalize(
+        {
+            "step": step,
+            "rank": rank,
+            "t": unix_seconds(raw["ts"]) if raw["ts"].notna().any() else None,
+            "loss": loss,
+            "lr": _numbers(raw["lr"]),
+            "grad_norm": _numbers(raw["grad_norm"]),
+            "loss_scale": _numbers(raw["loss_scale"]),
+            "skipped": _numbers(raw["skipped"]).fillna(0),
+            "nonfinite": nonfinite,
+            "interval_steps": intervals(step, rank),
+        },
+        source=source,
+    )

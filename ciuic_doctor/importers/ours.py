@@ -1,0 +1,249 @@
+"""Our own steps stream (`RUN/steps.jsonl`, `RUN/steps.rank<R>.jsonl`), written by the watch probe.
+
+One record per rank per optimizer step: rank, step, t, step_time_s, loss, lr, grad_norm, loss_scale,
+skipped, plus memory fields this analysis does not read. NaN/inf are stored as the strings "nan"/"inf"
+(store.dumps). PATH may be the run directory (every steps file, shared file first then per rank, as
+`RunDir.read("steps")` merges them) or one .jsonl file; meta.json beside it gives the job's clip threshold
+(`job.optim.clip_max_norm`) and precision (`job.precision.mode`).
+
+Reading is semantically `store.read_jsonl` (a line that is not a JSON object is counted and skipped;
+records without a `step` are not step records), made fast for 10^6 lines: our writer emits compact
+JSON with the same keys in the same order on every line, so after turning `,` into `:` and dropping the
+braces a chunk is a `:`-separated table that pandas' C parser reads at about 1.5 µs a line. Every row's
+key columns are checked against the expected key order; a line that differs (other keys, a string with a
+comma, a torn last line) is parsed on its own with json.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ciuic_doctor.importers import StepLog, intervals, normalize
+from ciuic_doctor.store import RunDir, as_float
+
+CHUNK_BYTES = 8 << 20
+WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
+_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm")
+_FLATTEN = bytes.maketrans(b",", b":")
+
+
+def load(path: Path) -> StepLog:
+    import pandas as pd
+
+    if path.is_dir():
+        files = RunDir(path).stream_files("steps")
+        meta_dir = path
+    else:
+        files, meta_dir = [path], path.parent
+    parts, read, unread = [], 0, 0
+    for file in files:
+        frame, lines, bad = _read_file(file)
+        parts.append(frame)
+        read += lines
+        unread += bad
+    raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*WANTED, "nonfinite"])
+    step = raw["step"]
+    rank = raw["rank"]
+    table = normalize(
+        {
+            **{k: raw[k] for k in WANTED if k != "clip_max_norm"},
+            "nonfinite": raw["nonfinite"],
+            "interval_steps": intervals(step, rank),
+        },
+        source=f"ours:{path.name}",
+    )
+    log = StepLog(table=table, read_lines=read, unread_lines=unread, framework="gradscaler")
+    clips = pd.to_numeric(raw["clip_max_norm"], errors="coerce").dropna()
+    if len(clips):  # the watch probe records the max_norm a script passed to clip_grad_norm_
+        log.clip_max_norm = float(clips.iloc[-1])
+    _apply_meta(log, meta_dir)
+    if table["loss_scale"].notna().any() and log.precision is None:
+        log.precision = "fp16"  # only torch.amp.GradScaler gives a scale
+    return log
+
+
+def _apply_meta(log: StepLog, folder: Path) -> None:
+    """Clip threshold and precision from the job spec recorded in meta.json, when there is one."""
+    meta = RunDir(folder).read_meta() if (folder / "meta.json").is_file() else {}
+    job = meta.get("job") if isinstance(meta, dict) else None
+    if not isinstance(job, dict):
+        return
+    optim, precision = job.get("optim"), job.get("precision")
+    if isinstance(optim, dict):
+        clip = as_float(optim.get("clip_max_norm"))
+        log.clip_max_norm = clip if clip is not None and math.isfinite(clip) else None
+    if isinstance(precision, dict) and isinstance(precision.get("mode"), str):
+        log.precision = precision["mode"]
+
+
+def _read_file(path: Path):  # -> (DataFrame, lines, unread lines)
+    import pandas as pd
+
+    frames, lines, unread = [], 0, 0
+    layout: list[str] | None = None
+    for chunk in _byte_chunks(path):
+        layout = layout or _layout(chunk)
+        frame, n_lines, bad = _parse_chunk(chunk, layout)
+        frames.append(frame)
+        lines += n_lines
+        unread += bad
+    if not frames:
+        return pd.DataFrame(columns=[*WANTED, "nonfinite"]), 0, 0
+    return pd.concat(frames, ignore_index=True), lines, unread
+
+
+def _byte_chunks(path: Path):  # -> Iterator[bytes], each ending in a newline
+    rest = b""
+    with open(path, "rb") as fh:
+        while block := fh.read(CHUNK_BYTES):
+            data = rest + block
+            cut = data.rfind(b"\n")
+            if cut < 0:
+                rest = data
+                continue
+            yield data[: cut + 1]
+            rest = data[cut + 1 :]
+    if rest:
+        yield rest + b"\n"  # a torn last line: read like any other, counted if it does not parse
+
+
+def _layout(chunk: bytes) -> list[str] | None:
+    """Key order of the first step record in `chunk` (the writer keeps one order for every line)."""
+    for line in chunk.split(b"\n", 64)[:64]:
+        record = _record(line)
+        if record is not None and "step" in record:
+            return list(record)
+    return None
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _parse_chunk(chunk: bytes, layout: list[str] | None):  # -> (DataFrame, lines, unread)
+    import numpy as np
+    import pandas as pd
+
+    fast = _fast(chunk, layout) if layout else None
+    if fast is not None and fast[1].all():
+        return fast[0].drop(columns="line"), len(fast[1]), 0
+    lines = chunk.split(b"\n")[:-1]
+    if fast is None:
+        ok = np.zeros(len(lines), dtype=bool)
+        frame = pd.DataFrame(columns=[*WANTED, "nonfinite", "line"])
+    else:
+        frame, ok = fast
+    blank = [i for i, line in enumerate(lines) if not line.strip()] if b"\n\n" in chunk else []
+    ok[blank] = True  # blank lines: nothing to read, nothing lost
+    odd = np.flatnonzero(~ok)
+    records = []
+    for i in odd:
+        record = _record(lines[i])
+        if record is not None and "step" in record:
+            records.append({**_from_record(record), "line": i})
+    unread = len(odd) - len(records)
+    if records:
+        frame = pd.concat([frame, pd.DataFrame.from_records(records)], ignore_index=True)
+        frame = frame.sort_values("line", kind="stable")
+    return frame.drop(columns="line"), len(lines) - len(blank), unread
+
+
+def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
+    """The chunk as a `:`-separated table; None when pandas cannot read it that way."""
+    import numpy as np
+    import pandas as pd
+
+    position = {key: i for i, key in enumerate(layout)}
+    keys = [k for k in WANTED if k in position]
+    flat = chunk.translate(_FLATTEN, b"{}")
+    table = _read_flat(flat, layout, keys, as_text=False)
+    as_text = table is None
+    if as_text:  # a "nan" string in a number column (a NaN loss): read those columns as text
+        table = _read_flat(flat, layout, keys, as_text=True)
+        if table is None:
+            return None
+    n_lines = len(table)
+    ok = np.ones(n_lines, dtype=bool)
+    for key in keys:
+        ok &= (table[2 * position[key]] == f'"{key}"').to_numpy(dtype=bool, na_value=False)
+    out = {"line": np.arange(n_lines)}
+    for key in WANTED:
+        out[key] = table[2 * position[key] + 1] if key in position else np.nan
+    frame = pd.DataFrame(out)
+    if as_text:
+        text = frame["loss"].astype("str").str.strip('" ').str.lower()
+        frame["nonfinite"] = text.isin(["nan", "inf", "-inf", "infinity", "-infinity"]).astype("int64")
+        for key in _NUMERIC:
+            frame[key] = pd.to_numeric(frame[key].astype("str").str.strip('"'), errors="coerce")
+    else:
+        frame["nonfinite"] = 0  # a non-finite loss is a quoted string, which only the text path reads
+    if "skipped" in position:
+        frame["skipped"] = _skipped(frame["skipped"])
+    return frame[ok], ok
+
+
+def _read_flat(flat: bytes, layout: list[str], keys: list[str], *, as_text: bool):  # -> DataFrame | None
+    import pandas as pd
+
+    position = {key: i for i, key in enumerate(layout)}
+    usecols, dtype = [], {}
+    for key in keys:
+        usecols += [2 * position[key], 2 * position[key] + 1]
+        dtype[2 * position[key]] = "category"
+        number = "str" if as_text else "float64"
+        dtype[2 * position[key] + 1] = "category" if key == "skipped" else number
+    try:
+        return pd.read_csv(
+            io.BytesIO(flat),
+            sep=":",
+            header=None,
+            names=list(range(2 * len(layout))),
+            usecols=usecols,
+            dtype=dtype,
+            skip_blank_lines=False,  # row i is line i
+            keep_default_na=False,  # only JSON null is missing; "nan" is a value (and a finding)
+            na_values=["null"],
+            quoting=csv.QUOTE_NONE,  # quotes are characters: a line can never run into the next one
+            engine="c",
+        )
+    except (ValueError, pd.errors.ParserError):  # a line with more fields, or text in a number column
+        return None
+
+
+def _skipped(values):  # category Series of "true"/"false"/numbers/NaN -> int Series
+    """Map the few distinct values, not a million strings (skipped is a bool, or a count per row)."""
+    import numpy as np
+    import pandas as pd
+
+    values = values.astype("category")
+    lookup = np.array([_count(c) for c in values.cat.categories] + [0], dtype="int64")
+    codes = values.cat.codes.to_numpy()  # -1 (missing) indexes the trailing 0
+    return pd.Series(lookup[codes], index=values.index)
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return int(text == "true")
+    number = as_float(text)
+    return int(number) if number is not None and math.isfinite(number) and number > 0 else 0
+
+
+def _from_record(record: dict[str, Any]) -> dict[str, Any]:
+    """One record parsed by json (the slow path), in the fast path's columns."""
+    out = {key: as_float(record.get(key)) for key in _NUMERIC}
+    loss = out["loss"]
+    out["nonfinite"] = int(loss is not None and not math.isfinite(loss))
+    out["skipped"] = _count(record.get("skipped"))
+    return out

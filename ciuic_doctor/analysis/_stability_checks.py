@@ -1,0 +1,398 @@
+"""The stability checks as findings: one function per check family, each taking the folded Curve.
+
+Kept apart from `stability.py` (the analysis entry point) so each file reads in one sitting; the
+detectors themselves live in `_spikes.py` and `_scaler.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ciuic_doctor.analysis._scaler import ScalerReport, ScalerRule, analyse_scaler
+from ciuic_doctor.analysis._spikes import (
+    GRAD_NORM_RULE,
+    LOSS_RULE,
+    Divergence,
+    Spike,
+    find_divergence,
+    find_spikes,
+)
+from ciuic_doctor.findings import Finding
+
+if TYPE_CHECKING:
+    from ciuic_doctor.analysis.stability import Curve
+    from ciuic_doctor.importers import StepLog
+
+PROBE = "stability"
+MAX_SPIKE_FINDINGS = 10
+LEAD_STEPS = 100  # a grad-norm spike up to this many steps before a loss spike led it (OLMo 2's observation)
+HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
+MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
+
+
+def _finding(check: str, verdict: str, summary: str, evidence: dict | None = None, step: int | None = None):
+    where = {"step": int(step)} if step is not None else {}
+    return Finding(probe=PROBE, check=check, verdict=verdict, summary=summary,
+                   evidence=_clean(evidence or {}), where=where)  # fmt: skip
+
+
+def _clean(value: Any) -> Any:
+    """JSON-friendly evidence: numpy scalars to Python, floats to 6 significant digits."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    return value
+
+
+def _g(value: float) -> str:
+    return f"{value:.4g}"
+
+
+# ---- spikes and divergence ---------------------------------------------------------------------
+
+
+def divergence(curve: Curve) -> tuple[Divergence | None, list[Finding]]:
+    has_loss = np.isfinite(curve.loss).any()
+    if not has_loss and not curve.nonfinite.any():
+        return None, [_finding("divergence", "not_run", "no loss values in this log")]
+    found = find_divergence(curve.step, curve.loss)
+    tail = _nonfinite_tail(curve)
+    if found is None and tail is None:
+        finite = curve.loss[np.isfinite(curve.loss)]
+        summary = "the loss did not diverge"
+        if len(finite) >= 2:
+            summary += f" (ends at {_g(finite[-1])}, best {_g(finite.min())})"
+        return None, [_finding("divergence", "pass", summary)]
+    evidence: dict[str, Any] = {"nonfinite_tail": tail is not None}
+    if found is not None:
+        evidence.update(onset_step=found.onset_step, detected_step=found.detected_step, best_loss=found.best,
+                        final_loss=found.final, ratio=found.ratio)  # fmt: skip
+        onset = found.onset_step
+        summary = (
+            f"loss diverged from step {onset}: it ends at {_g(found.final)}, {found.ratio:.2f}× its best "
+            f"{_g(found.best)}, and does not come back"
+        )
+    else:
+        onset = tail
+        evidence.update(onset_step=tail, detected_step=tail)
+        summary = f"loss became NaN/inf at step {tail} and stayed so to the end of the log"
+    return found, [_finding("divergence", "fail", summary, evidence, onset)]
+
+
+def _nonfinite_tail(curve: Curve, min_rows: int = 3) -> int | None:
+    """First step of a run of non-finite losses that lasts to the end of the log."""
+    bad = curve.nonfinite > 0
+    if len(bad) < min_rows or not bad[-min_rows:].all():
+        return None
+    good = np.flatnonzero(~bad)
+    first = good[-1] + 1 if len(good) else 0
+    return int(curve.step[first])
+
+
+def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list[Spike], list[Finding]]:
+    findings: list[Finding] = []
+    grad_spikes = find_spikes(curve.step, curve.grad_norm, GRAD_NORM_RULE)
+    loss_spikes = find_spikes(curve.step, curve.loss, LOSS_RULE)
+    if diverged is not None:  # an unrecovered rise at the divergence is the divergence, reported there
+        loss_spikes = [
+            s for s in loss_spikes
+            if s.recovered_after_steps is not None or s.start_step < diverged.onset_step - LEAD_STEPS
+        ]  # fmt: skip
+    has_grad = int(np.isfinite(curve.grad_norm).sum()) > GRAD_NORM_RULE.min_history
+    findings += _spike_findings(
+        "loss_spike", "loss", curve.loss, loss_spikes, grad_spikes if has_grad else None
+    )
+    findings += _spike_findings("grad_norm_spike", "grad norm", curve.grad_norm, grad_spikes, None)
+    return loss_spikes, grad_spikes, findings
+
+
+def _spike_findings(check: str, name: str, values, found: list[Spike], grad: list[Spike] | None):
+    points = int((np.isfinite(values) & (values > 0)).sum())
+    if points <= LOSS_RULE.min_history:
+        why = f"no {name} in this log" if points == 0 else f"only {points} {name} values (need > 16)"
+        return [_finding(check, "not_run", why)]
+    if not found:
+        return [_finding(check, "pass", f"no {name} spike in {points} logged points")]
+    shown = sorted(sorted(found, key=lambda s: -s.magnitude)[:MAX_SPIKE_FINDINGS], key=lambda s: s.start_step)
+    out = []
+    for spike in shown:
+        evidence = spike.to_evidence()
+        summary = (
+            f"{name} spiked {spike.magnitude:.2f}× at step {spike.start_step} (baseline "
+            f"{_g(spike.baseline)}, peak {_g(spike.peak)} at step {spike.peak_step}); "
+        )
+        if spike.recovered_after_steps is None:
+            summary += "not recovered by the end of the log"
+        else:
+            summary += f"back to baseline after {spike.recovered_after_steps} steps"
+        if check == "loss_spike":
+            led = _leading(spike, grad)
+            evidence["grad_norm_led"] = None if grad is None else led is not None
+            if led is not None:
+                evidence["grad_norm_spike_step"] = led.start_step
+                lead = spike.start_step - led.start_step
+                summary += f"; grad norm spiked {lead} step{'s' if lead > 1 else ''} before it"
+        verdict = "fail" if spike.recovered_after_steps is None else "warn"
+        out.append(_finding(check, verdict, summary, evidence, spike.start_step))
+    if len(found) > len(shown):
+        others = [s.start_step for s in found if s not in shown]
+        out[-1].evidence["more_spikes_at_steps"] = others[:100]
+        out[-1].summary += f" ({len(others)} smaller spikes not listed)"
+    return out
+
+
+def _leading(spike: Spike, grad: list[Spike] | None) -> Spike | None:
+    """The grad-norm spike that started within LEAD_STEPS before the loss spike, if any."""
+    if not grad:
+        return None
+    before = [g for g in grad if spike.start_step - LEAD_STEPS <= g.start_step < spike.start_step]
+    return before[-1] if before else None
+
+
+# ---- non-finite losses -------------------------------------------------------------------------
+
+
+def nonfinite(curve: Curve) -> list[Finding]:
+    rows = np.flatnonzero(curve.nonfinite > 0)
+    if not len(rows):
+        if not np.isfinite(curve.loss).any():
+            return [_finding("nonfinite_loss", "not_run", "no loss values in this log")]
+        return [_finding("nonfinite_loss", "pass", "every logged loss is finite")]
+    steps = curve.step[rows]
+    persistent = bool(curve.nonfinite[-1] > 0)
+    handled = int((curve.skipped[rows] > 0).sum())
+    evidence = {
+        "count": int(curve.nonfinite[rows].sum()),
+        "rows": len(rows),
+        "first_step": int(steps[0]),
+        "last_step": int(steps[-1]),
+        "steps": [int(s) for s in steps[:20]],
+        "persistent": persistent,
+        "skipped_by_scaler": handled,
+    }
+    summary = f"{evidence['count']} non-finite loss value(s), first at step {steps[0]}"
+    if persistent:
+        summary += "; the log ends in them (the run is dead)"
+    elif handled:
+        summary += f"; the loss scaler skipped {handled} of those steps"
+    return [_finding("nonfinite_loss", "fail" if persistent else "warn", summary, evidence, int(steps[0]))]
+
+
+# ---- loss scaler ---------------------------------------------------------------------------------
+
+
+def scaler(curve: Curve, log: StepLog) -> list[Finding]:
+    fatal = [e["step"] for e in log.events if e.get("kind") == "scale_at_minimum" and e.get("step")]
+    report = analyse_scaler(
+        curve.step, curve.skipped, curve.interval, curve.scale, curve.lr,
+        floor=log.min_scale, fatal_steps=fatal, steps_known=log.steps_known,
+    )  # fmt: skip
+    if not report.uses_scaler:
+        why = (
+            f"precision {log.precision}: no dynamic loss scaling"
+            if log.precision in ("bf16", "fp32")
+            else "no dynamic loss scale in this log (bf16/fp32, or the log does not print it)"
+        )
+        return [
+            _finding(check, "not_run", why) for check in ("loss_scaler", "overflow_storm", "scale_collapse")
+        ]
+    return [_scaler_finding(report, curve, log), *_storm_findings(report, log), _collapse_finding(report)]
+
+
+def _scaler_finding(report: ScalerReport, curve: Curve, log: StepLog) -> Finding:
+    rule = ScalerRule()
+    after_steps = max(1, report.steps_after_calibration)
+    rate = report.skipped_after_calibration / after_steps
+    frequent = report.skipped_after_calibration >= rule.storm_skips and rate > rule.frequent_skip_rate
+    struggling = bool(report.storms) or report.collapse_step is not None or frequent
+    suggested = report.steady_scale if report.steady_scale and report.collapse_step is None else None
+    evidence = {
+        "precision": log.precision or "fp16",
+        "skipped_total": report.skipped_total,
+        "skipped_after_calibration": report.skipped_after_calibration,
+        "calibration_steps": report.calibration_steps,
+        "calibration_skipped": report.calibration_skipped,
+        "steady_scale": report.steady_scale,
+        "initial_scale": report.initial_scale,
+        "suggested_init_scale": suggested,
+        "suggest_bf16": struggling,
+        "skips_per_1000_steps_after_calibration": round(1000 * rate, 2),
+        "overflows_near_lr_peak": report.overflows_near_lr_peak,
+        "framework": log.framework,
+        "scale_floor": report.floor,
+        "steps_known": log.steps_known,
+    }
+    calibrating = (
+        f"{report.calibration_skipped} calibrating (to step {report.calibration_steps})"
+        if report.calibration_skipped
+        else "none calibrating"
+    )
+    parts = [
+        f"{report.skipped_total} steps skipped: {calibrating}, {report.skipped_after_calibration} after "
+        f"({1000 * rate:.3g} per 1000 steps)"
+    ]
+    advice = []
+    if suggested and report.calibration_skipped >= 2:
+        advice.append(f"init_scale={suggested:g} (the scale it settled at) skips the calibration")
+    if struggling:
+        advice.append("fp16 keeps overflowing: bf16 (fp32's exponent range) needs no loss scaling")
+    if report.overflows_near_lr_peak:
+        advice.append("the skips crowd at the LR peak: lower the peak LR or lengthen the warm-up")
+    summary = "; ".join(parts + advice)
+    # Calibration skips alone are normal (Megatron's 2**32 start costs ~20): advice, not a warning.
+    verdict = "warn" if struggling or report.overflows_near_lr_peak else "pass"
+    return _finding("loss_scaler", verdict, summary, evidence)
+
+
+def _storm_findings(report: ScalerReport, log: StepLog) -> list[Finding]:
+    rule = ScalerRule()
+    if not log.steps_known:
+        return [
+            _finding("overflow_storm", "not_run", "the overflow lines carry no step numbers (no step= lines)")
+        ]
+    if not report.storms:
+        return [
+            _finding(
+                "overflow_storm",
+                "pass",
+                f"no {rule.storm_skips}+ skips within {rule.storm_window_steps} steps after calibration",
+            )
+        ]
+    out = []
+    for storm in report.storms:
+        evidence = {
+            "start_step": storm.start_step,
+            "end_step": storm.end_step,
+            "skipped": storm.skipped,
+            "window_steps": rule.storm_window_steps,
+            "scale_before": storm.scale_before,
+            "scale_after": storm.scale_after,
+            "lr_at_start": storm.lr_at_start,
+            "near_lr_peak": report.overflows_near_lr_peak,
+        }
+        scale = ""
+        if storm.scale_before is not None and storm.scale_after is not None:
+            scale = f"; scale {storm.scale_before:g} → {storm.scale_after:g}"
+        summary = (
+            f"{storm.skipped} steps skipped between steps {storm.start_step} and {storm.end_step}{scale}"
+        )
+        out.append(_finding("overflow_storm", "warn", summary, evidence, storm.start_step))
+    return out
+
+
+def _collapse_finding(report: ScalerReport) -> Finding:
+    floor = "below 1 (GradScaler has no floor)" if report.floor is None else f"the floor {report.floor:g}"
+    if report.collapse_step is None:
+        lowest = report.lowest_scale
+        seen = f" (lowest {lowest:g})" if lowest is not None else ""
+        never = "never went below 1" if report.floor is None else f"never sat at its floor {report.floor:g}"
+        return _finding("scale_collapse", "pass", f"the loss scale {never}{seen}")
+    evidence = {
+        "scale": report.collapse_scale,
+        "floor": report.floor,
+        "fatal": report.fatal,
+        "steady_scale": report.steady_scale,
+        "skipped_from_collapse": report.skipped_from_collapse,
+    }
+    scale = f"{report.collapse_scale:g}" if report.collapse_scale is not None else "its floor"
+    summary = f"loss scale collapsed at step {report.collapse_step}: it fell to {scale}, {floor}"
+    if report.fatal:
+        summary += '; the run died ("already at minimum")'
+    elif report.floor is None:
+        summary += "; PyTorch: that usually means NaN/inf in the forward pass (e.g. a bf16-pretrained model)"
+    else:
+        summary += f"; {report.skipped_from_collapse} steps skipped from there (the model stops training)"
+    return _finding("scale_collapse", "fail", summary, evidence, report.collapse_step)
+
+
+# ---- clipping --------------------------------------------------------------------------------------
+
+
+def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list[Finding]:
+    finite = np.isfinite(curve.grad_norm) & (curve.skipped == 0)
+    if finite.sum() <= GRAD_NORM_RULE.min_history:
+        count = int(finite.sum())
+        why = "no grad norm in this log" if not count else f"only {count} grad norm values (need > 16)"
+        return [_finding("clipping", "not_run", why)]
+    healthy = finite & ~_inside(curve.step, grad_spikes) & _after_warmup(curve, finite)
+    values = (
+        curve.grad_norm[healthy] if healthy.sum() > GRAD_NORM_RULE.min_history else curve.grad_norm[finite]
+    )
+    p99 = float(np.quantile(values, HEALTHY_QUANTILE))
+    median = float(np.median(values))
+    computed = _nice_ceil(p99)
+    evidence: dict[str, Any] = {
+        "clip_max_norm": clip,
+        "clipped_fraction": None,
+        "suggested_max_norm": computed,
+        "healthy_median": median,
+        "healthy_p99": p99,
+        "healthy_points": len(values),
+        "grad_norm_spikes": len(grad_spikes),
+    }
+    if clip is None:
+        summary = (
+            "clip threshold unknown (pass --clip, or record job.optim.clip_max_norm); healthy grad norms "
+            f"stay below {_g(p99)}"
+        )
+        return [_finding("clipping", "not_run", summary, evidence)]
+    norms = curve.grad_norm[finite]
+    fraction = float((norms > clip).mean()) if clip > 0 else 0.0
+    evidence["clipped_fraction"] = round(fraction, 4)
+    peaks = [s.peak for s in grad_spikes]
+    if clip > 0 and fraction > MOST_STEPS:
+        summary = (
+            f"{fraction:.0%} of steps had grad norm above max_norm {clip:g}: clipping rescales the LR "
+            f"instead of guarding against spikes; healthy steps reach {_g(p99)} (p99): max_norm≈{computed:g}"
+        )
+        return [_finding("clipping", "warn", summary, evidence)]
+    if peaks and (clip <= 0 or clip > max(peaks)):
+        state = "disabled" if clip <= 0 else f"at {clip:g} is above every spike (peak {_g(max(peaks))})"
+        summary = (
+            f"clipping {state}: the {len(peaks)} grad-norm spike(s) went through unclipped; "
+            f"max_norm≈{computed:g} sits above 99 % of healthy steps and would cap them"
+        )
+        return [_finding("clipping", "warn", summary, evidence)]
+    evidence["suggested_max_norm"] = clip if clip > 0 else computed  # nothing to change
+    if clip > 0:
+        summary = (
+            f"max_norm {clip:g} clipped {fraction:.1%} of steps; healthy grad norms: median {_g(median)}, "
+            f"p99 {_g(p99)}"
+        )
+    else:
+        summary = f"clipping disabled and no grad-norm spike needed it (healthy p99 {_g(p99)})"
+    return [_finding("clipping", "pass", summary, evidence)]
+
+
+def _inside(step: np.ndarray, found: list[Spike]) -> np.ndarray:
+    mask = np.zeros(len(step), dtype=bool)
+    for s in found:
+        mask |= (step >= s.start_step) & (step <= s.end_step)
+    return mask
+
+
+def _after_warmup(curve: Curve, finite: np.ndarray) -> np.ndarray:
+    """Steps after the LR first reaches 95 % of its peak (else after the first 10 % of the log)."""
+    lr = curve.lr
+    if np.isfinite(lr).any() and np.nanmax(lr) > 0:
+        reached = np.flatnonzero(lr >= 0.95 * np.nanmax(lr))
+        mask = np.arange(len(lr)) >= reached[0]
+        if (mask & finite).sum() > GRAD_NORM_RULE.min_history:
+            return mask
+    return np.arange(len(lr)) >= len(lr) // 10
+
+
+def _nice_ceil(value: float) -> float:
+    """Round up to two significant digits (0.0137 -> 0.014, 2.31 -> 2.4)."""
+    if not value > 0 or not math.isfinite(value):
+        return value
+    digits = 1 - math.floor(math.log10(value))
+    return math.ceil(value * 10**digits) / 10**digits

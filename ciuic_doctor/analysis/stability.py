@@ -1,0 +1,138 @@
+"""Training stability: loss and grad-norm spikes, divergence, non-finite losses, and the fp16 loss scaler.
+
+Reads our `steps` stream (`analyze(run)`) or any log the importers read (`analyze_log(log)`, used by the
+`stability` command). Checks, with the evidence other tools rely on:
+
+    loss_spike        one per spike: where.step = first step; peak, baseline, magnitude (peak/baseline),
+                      recovered_after_steps (None: not back by the end of the log), grad_norm_led
+    grad_norm_spike   one per spike (same evidence, no grad_norm_led)
+    divergence        the loss ends ≥ 1.5× its best and stays there; where.step = onset
+    nonfinite_loss    NaN/inf losses: count, first/last step, persistent (the log ends in them)
+    overflow_storm    ≥ 5 skipped steps within 100 steps after calibration
+    scale_collapse    the scale reached the framework's floor and kept skipping, went below 1 (GradScaler),
+                      or the run died with "already at minimum"
+    loss_scaler       precision, skipped_total, skipped_after_calibration, calibration_steps, steady_scale,
+                      suggested_init_scale, suggest_bf16 (+ overflows_near_lr_peak and the advice)
+    clipping          clip_max_norm, clipped_fraction, suggested_max_norm (from healthy steps)
+
+Rows from several ranks are folded into one curve per step first (mean loss, max grad norm, min scale, any
+skip), so that a loss spike on one rank's batch still shows and a skip is counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ciuic_doctor.findings import Finding
+from ciuic_doctor.store import RunDir
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ciuic_doctor.importers import StepLog
+
+STREAMS = ("steps",)
+PROBE = "stability"
+
+
+@dataclass(kw_only=True)
+class Curve:
+    """One value per step (ranks folded), in step order, as numpy arrays."""
+
+    step: np.ndarray
+    interval: np.ndarray
+    loss: np.ndarray
+    nonfinite: np.ndarray
+    lr: np.ndarray
+    grad_norm: np.ndarray
+    scale: np.ndarray
+    skipped: np.ndarray
+    ranks: int
+
+    @property
+    def steps_covered(self) -> int:
+        return int(self.interval.sum())
+
+
+def analyze(run: RunDir) -> list[Finding]:
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.importers import ours
+
+    try:
+        log = ours.load(run.path)
+    except UserError as exc:
+        return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary=str(exc))]
+    return analyze_log(log)
+
+
+def fold(table) -> Curve:
+    """Per-step curve from the normalized table (later rows win for a repeated (rank, step))."""
+    import numpy as np
+
+    frame = table.drop_duplicates(subset=["rank", "step"], keep="last")
+    ranks = int(frame["rank"].nunique())
+    if ranks > 1 or not frame["step"].is_unique:
+        grouped = frame.groupby("step", sort=True)
+        frame = grouped.agg(
+            loss=("loss", "mean"), nonfinite=("nonfinite", "max"), lr=("lr", "max"),
+            grad_norm=("grad_norm", "max"), loss_scale=("loss_scale", "min"), skipped=("skipped", "max"),
+            interval_steps=("interval_steps", "max"),
+        ).reset_index()  # fmt: skip
+    elif not frame["step"].is_monotonic_increasing:
+        frame = frame.sort_values("step", kind="stable")
+    return Curve(
+        step=frame["step"].to_numpy(dtype=np.int64),
+        interval=frame["interval_steps"].to_numpy(dtype=np.int64),
+        loss=frame["loss"].to_numpy(dtype=np.float64),
+        nonfinite=frame["nonfinite"].to_numpy(dtype=np.int64),
+        lr=frame["lr"].to_numpy(dtype=np.float64),
+        grad_norm=frame["grad_norm"].to_numpy(dtype=np.float64),
+        scale=frame["loss_scale"].to_numpy(dtype=np.float64),
+        skipped=frame["skipped"].to_numpy(dtype=np.int64),
+        ranks=max(ranks, 1),
+    )
+
+
+def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Finding]:
+    """Every stability check on an imported log; `clip_max_norm` overrides the one in the log's meta."""
+    from ciuic_doctor.analysis import _stability_checks as checks
+
+    if log.table is None or log.table.empty:
+        return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary="no step records")]
+    curve = fold(log.table)
+    findings: list[Finding] = []
+    diverged, divergence_findings = checks.divergence(curve)
+    _, grad_spikes, spike_findings = checks.spikes(curve, diverged)
+    findings += spike_findings + divergence_findings
+    findings += checks.nonfinite(curve)
+    findings += checks.scaler(curve, log)
+    clip = clip_max_norm if clip_max_norm is not None else log.clip_max_norm
+    findings += checks.clipping(curve, clip, grad_spikes)
+    return findings
+
+
+def write_findings(run: RunDir, findings: list[Finding]) -> None:
+    """Merge `findings` into RUN/findings.json: this probe's earlier findings are replaced, the others'
+    kept, in the file `analyze` writes (same keys; written whole with an atomic rename)."""
+    import time
+
+    from ciuic_doctor.analysis import FINDINGS_FILE, load_findings
+    from ciuic_doctor.findings import sort_findings
+
+    try:
+        previous = run.read_json(FINDINGS_FILE) if (run.path / FINDINGS_FILE).exists() else {}
+        kept = [f for f in load_findings(run) if f.probe != PROBE]
+    except (ValueError, KeyError, TypeError):  # an unreadable findings.json is replaced, not merged
+        previous, kept = {}, []
+    analyses = previous.get("analyses", []) if isinstance(previous, dict) else []
+    merged = sort_findings(kept + list(findings))
+    run.write_json(
+        FINDINGS_FILE,
+        {
+            "schema": 1,
+            "created": time.time(),
+            "analyses": sorted({*analyses, "stability"}),
+            "findings": [f.to_dict() for f in merged],
+        },
+    )

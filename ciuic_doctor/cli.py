@@ -54,7 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>", parser_class=_Parser)
     for module in _command_modules():
-        command = sub.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
+        command = sub.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.__doc__,
+            # Command docstrings hold example command lines: keep their line breaks.
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(command)
         command.set_defaults(_run=module.run)
     return parser

@@ -252,6 +252,19 @@ class RunDir:
             self.write_text("meta.json", json.dumps(json.loads(dumps(meta)), indent=2) + "\n")
             return meta
 
+    def record_environment(self, *, with_torch: bool = True) -> None:
+        """Capture the environment into meta.json["env"] once per run directory.
+
+        A capture made without torch (memwatch) is replaced by one with torch's view (CUDA, NCCL, devices)
+        when a probe that has torch loaded comes along; otherwise the first capture stands.
+        """
+        from ciuic_doctor.envinfo import capture
+
+        existing = self.read_meta().get("env")
+        if isinstance(existing, dict) and (not with_torch or "cuda_available" in existing):
+            return
+        self.update_meta(env=capture(with_torch=with_torch))
+
     def record_probe(self, probe: str, **fields: Any) -> None:
         """Note in meta.json that a probe ran here, with its argv, status and times."""
         self.update_meta(probes={probe: {"updated": time.time(), **fields}})

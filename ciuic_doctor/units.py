@@ -44,7 +44,8 @@ def format_bytes(n: float) -> str:
     n = abs(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
-            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.3g} {unit}"
+            # 4 significant digits: 1020 MiB stays "1020 MiB", never "1.02e+03 MiB".
+            return f"{sign}{int(n)} B" if unit == "B" else f"{sign}{n:.4g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -53,9 +53,7 @@ def attach(
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
-        from ciuic_doctor.envinfo import capture
-
-        run.update_meta(env=capture(with_torch=True))
+        run.record_environment()
         run.record_probe(probe, status="running", **(probe_fields or {}))
     config = probe_watch.WatchConfig(
         checksum_every=checksum_every,

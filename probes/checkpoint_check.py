@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ciuic_doctor.errors import ProbeFailed
+from ciuic_doctor.launch import agree_on_run_dir
 from ciuic_doctor.probes.checkpoint_cost import (
     Methods,
     agree,
@@ -37,9 +40,6 @@ from ciuic_doctor.probes.checkpoint_cost import (
 from ciuic_doctor.probes.checkpoint_fidelity import fingerprint, restart, train_steps, without
 from ciuic_doctor.probes.checkpoint_inspect import absent, check_safety, inspect_record
 from ciuic_doctor.probes.checkpoint_options import Variant, parse_drops
-
-from ciuic_doctor.errors import ProbeFailed
-from ciuic_doctor.launch import agree_on_run_dir
 from ciuic_doctor.store import RunDir, default_run_path
 from ciuic_doctor.units import format_bytes
 
@@ -121,8 +121,6 @@ class Check:
             return
         import psutil
 
-        from ciuic_doctor.envinfo import capture
-
         backend = self.world.backend or "none"
         spec = self.spec
         config = {
@@ -149,11 +147,9 @@ class Check:
             "spec_source": spec.source,
         }
         self.writer.write(config)
-        meta = self.run.read_meta()
-        fields: dict[str, Any] = {} if meta.get("env") else {"env": capture(with_torch=True)}
-        if not any(meta.get(k) for k in ("spec", "job")):
-            fields.update(spec=spec.to_dict(), spec_source=spec.source)
-        self.run.update_meta(**fields)
+        self.run.record_environment()
+        if not self.run.read_meta().get("spec"):
+            self.run.update_meta(spec=spec.to_dict(), spec_source=spec.source)
         self.run.record_probe(PROBE, status="running", argv=self.cfg.argv, nproc=self.world.world)
         self.say(
             f"checkpoint-check of {spec.job.name}: {trainer.parameter_count / 1e6:.2f} M parameters, "

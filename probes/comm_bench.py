@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ciuic_doctor import nccl
+from ciuic_doctor.errors import ProbeFailed
+from ciuic_doctor.launch import agree_on_run_dir, init_distributed
 from ciuic_doctor.probes import comm_table
 from ciuic_doctor.probes.comm_collectives import (
     NCCL_TESTS_TYPE,
@@ -51,10 +55,6 @@ from ciuic_doctor.probes.comm_phases import (
     plan_phases,
     supported,
 )
-
-from ciuic_doctor import nccl
-from ciuic_doctor.errors import ProbeFailed
-from ciuic_doctor.launch import agree_on_run_dir, init_distributed
 from ciuic_doctor.store import RunDir, default_run_path
 from ciuic_doctor.units import format_size_short
 
@@ -131,11 +131,9 @@ class Bench:
         self.watch.start()
         self.fault = fault_from_env()
         if self.rank == 0:
-            from ciuic_doctor.envinfo import capture
-
             self.run = RunDir.create(self.path)
             self.writer = self.run.writer(STREAM)
-            self.run.update_meta(environment=capture(with_torch=True))
+            self.run.record_environment()
             self.probe_entry = {
                 "status": "running",
                 "argv": self.cfg.argv,

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from ciuic_doctor.probes.memwatch_proc import BasicReader
-from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
 
 from ciuic_doctor import nvml
+from ciuic_doctor.probes.memwatch_proc import BasicReader
+from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
 from ciuic_doctor.store import JsonlWriter, RunDir
 
 STREAM = "memwatch"  # one record per process per sample, nothing else (the report reads it as is)
@@ -400,11 +400,7 @@ def _accumulate(result: WatchResult, records: list[dict[str, Any]]) -> None:
 
 
 def _record_meta(run: RunDir, config: MemwatchConfig) -> None:
-    from ciuic_doctor.envinfo import capture
-
-    meta = run.read_meta()
-    if not (meta.get("env") or meta.get("environment")):  # watch (same RUN) records it as "env", with torch
-        run.update_meta(env=capture(with_torch=False))
+    run.record_environment(with_torch=False)  # memwatch never imports torch
     run.record_probe(
         "memwatch",
         status="running",

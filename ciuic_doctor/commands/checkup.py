@@ -152,7 +152,6 @@ class Checkup:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.envinfo import capture
     from ciuic_doctor.jobs.spec import load_spec
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
@@ -164,14 +163,13 @@ def run(args: argparse.Namespace) -> int:
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     spec_args = ["--spec", str(Path(args.spec).resolve())] if args.spec else []
     started = time.perf_counter()
-    env = capture(with_torch=True)
-    run_dir.update_meta(env=env, spec=spec.to_dict(), spec_source=spec.source, checkup={"phases": []})
+    run_dir.record_environment()
+    run_dir.update_meta(spec=spec.to_dict(), spec_source=spec.source, checkup={"phases": []})
     print(f"checkup of {spec.job.name}: {nproc} local rank(s), run directory {out}", flush=True)
 
     bucket = int(spec.distributed.bucket_cap_mb * 2**20)
-    max_bytes = (
-        format_size_short(1 << (2 * bucket - 1).bit_length()) if env.get("cuda_available") else CPU_MAX_BYTES
-    )
+    cuda = run_dir.read_meta()["env"].get("cuda_available")
+    max_bytes = format_size_short(1 << (2 * bucket - 1).bit_length()) if cuda else CPU_MAX_BYTES
     job_argv = ["job", "--nproc", str(nproc), "--out", out, *spec_args]
     if args.steps:
         job_argv += ["--steps", str(args.steps)]

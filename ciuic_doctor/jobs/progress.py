@@ -110,10 +110,7 @@ class JobProgress:
         if self.lead and self.run is not None:
             self.run.update_meta(job=self.spec.to_dict(), job_run=info)
             self.run.record_probe("job", status="running")
-            if "env" not in self.run.read_meta():  # watch captures it; --no-watch does not
-                from ciuic_doctor.envinfo import capture
-
-                self.run.update_meta(env=capture(with_torch=True))
+            self.run.record_environment()  # watch has captured it already; --no-watch has not
         self._print(
             f"job {self.spec.job.name}: {trainer.parameter_count / 1e6:.2f} M parameters, "
             f"{world.world} rank(s) ({world.backend or 'no process group'}, {world.device}), "

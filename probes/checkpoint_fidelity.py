@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from ciuic_doctor.jobs.checkpoint import set_rng_state
 from ciuic_doctor.probes.checkpoint_options import DROPPABLE, Variant
 
 if TYPE_CHECKING:
@@ -107,29 +109,6 @@ def fresh_process_rng() -> None:
     torch.manual_seed(TORCH_START_SEED)  # also seeds every CUDA generator
 
 
-def _set_rng(state: dict[str, Any]) -> list[str]:
-    """Restore each RNG the saved dict has; return which."""
-    done = []
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-        done.append("rng.python")
-    if "numpy" in state:
-        np_state = state["numpy"]
-        keys = np.asarray(np_state["keys"]).astype(np.uint32)
-        np.random.set_state(
-            (np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["gauss"])
-        )
-        done.append("rng.numpy")
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-        done.append("rng.torch")
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-        done.append("rng.cuda")
-    return done
-
-
 def restore(trainer: Trainer, state: dict[str, Any]) -> list[str]:
     """Restore what `state` holds into a fresh `trainer`; return what was restored."""
     done: list[str] = []
@@ -157,9 +136,9 @@ def restore(trainer: Trainer, state: dict[str, Any]) -> list[str]:
     trainer._iterator = None  # the next batch comes from the restored data position
     rngs = state.get("rng")
     if isinstance(rngs, list | tuple) and trainer.rank < len(rngs) and isinstance(rngs[trainer.rank], dict):
-        done += _set_rng(rngs[trainer.rank])
+        done += set_rng_state(rngs[trainer.rank])
     elif isinstance(rngs, dict):  # one RNG state for all ranks (only rank 0's was saved)
-        done += _set_rng(rngs)
+        done += set_rng_state(rngs)
     return done
 
 
@@ -185,10 +164,9 @@ def restart(
     make_trainer: Any, variant: Variant, path: Path, load: Any, steps: int, *, job_loader: bool
 ) -> Restart:
     """A fresh Trainer from `path`, `steps` more steps (every rank calls this)."""
+    from ciuic_doctor.jobs import checkpoint as ckpt
     from ciuic_doctor.probes.checkpoint_cost import agree
     from ciuic_doctor.probes.checkpoint_inspect import classify
-
-    from ciuic_doctor.jobs import checkpoint as ckpt
 
     fresh_process_rng()
     trainer = make_trainer()

@@ -75,19 +75,33 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only: get_rng_state_all() would create a CUDA context on every
+        # visible GPU from every rank (~0.3-1 GB each) just to read generators it never uses.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    keys = np_state["keys"].numpy().astype(np.uint32)
-    np.random.set_state((np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["gauss"]))
-    torch.set_rng_state(state["torch"])
+def set_rng_state(state: dict[str, Any]) -> list[str]:
+    """Restore each generator `state` holds (a checkpoint may lack some); return which, as "rng.<name>"."""
+    restored = []
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        restored.append("rng.python")
+    if "numpy" in state:
+        np_state = state["numpy"]
+        keys = np.asarray(np_state["keys"]).astype(np.uint32)
+        np.random.set_state(
+            (np_state["kind"], keys, np_state["pos"], np_state["has_gauss"], np_state["gauss"])
+        )
+        restored.append("rng.numpy")
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+        restored.append("rng.torch")
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
+        restored.append("rng.cuda")
+    return restored
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:

@@ -103,18 +103,28 @@ class Context:
         found = self.first(check)
         return found if found is not None and found.verdict != "not_run" else None
 
+    def resume_as_saved(self) -> Finding | None:
+        """The resume comparison of the checkpoint as the job saves it, not a `--drop` demonstration
+        (checkpoint-check records one resume_mismatch finding per variant)."""
+        found = [f for f in self.all("resume_mismatch") if not f.evidence.get("dropped_on_purpose")]
+        return found[0] if found else None
+
     @property
     def environment(self) -> dict[str, Any]:
         return environment_of(self.meta)
 
     @property
     def backend(self) -> str | None:
-        """The backend that was measured (comm-bench), else the spec's when it names one."""
-        for check in ("algo_choice", "busbw"):
+        """The backend that was measured (comm-bench, checkpoint-check), else the spec's when it names one,
+        else what `auto` picks on the measured machine (nccl with CUDA, gloo without)."""
+        for check in ("algo_choice", "busbw", "timeout_risk"):
             for finding in self.all(check):
                 if finding.evidence.get("backend"):
                     return str(finding.evidence["backend"])
-        return self.spec.distributed.backend if self.spec.distributed.backend != "auto" else None
+        if self.spec.distributed.backend != "auto":
+            return self.spec.distributed.backend
+        cuda = self.environment.get("cuda_available")
+        return None if cuda is None else ("nccl" if cuda else "gloo")
 
     @property
     def nccl_version(self) -> Any:

@@ -97,7 +97,7 @@ def rule_memory_findings(ctx: Context, plan: Plan) -> None:
 
 def rule_checkpoint(ctx: Context, plan: Plan) -> None:
     """What the checkpoint doctor measured: missing state on resume, and a save too slow for the timeout."""
-    mismatch = ctx.first("resume_mismatch")
+    mismatch = ctx.resume_as_saved()
     if mismatch is not None and mismatch.verdict in ("warn", "fail"):
         missing = mismatch.evidence.get("missing") or []
         add(

@@ -220,7 +220,7 @@ def tip7(ctx: Context) -> Tip:
         )
     else:
         tip.add("rank-0 load + broadcast is fine", UNMEASURED, "no checkpoint load was measured")
-    mismatch = ctx.first("resume_mismatch")
+    mismatch = ctx.resume_as_saved()
     if mismatch is None or mismatch.verdict == "not_run":
         tip.add(
             "optimizer + scheduler state make resume exact", UNMEASURED, "no resume comparison in this run"

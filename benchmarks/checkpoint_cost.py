@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from ciuic_doctor.probes.checkpoint_cost import (
     Methods,
     barrier,
     measure_broadcast_load,
     measure_every_rank_load,
 )
-
 from ciuic_doctor.units import format_bytes, parse_size
 
 TENSORS = 32  # a state dict is many tensors, not one blob

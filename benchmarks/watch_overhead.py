@@ -58,11 +58,10 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from ciuic_doctor.probes.watch import WatchConfig, attach
-
     from ciuic_doctor.jobs.inject import Injections
     from ciuic_doctor.jobs.spec import load_spec, with_updates
     from ciuic_doctor.jobs.train import Trainer, setup_distributed
+    from ciuic_doctor.probes.watch import WatchConfig, attach
     from ciuic_doctor.store import RunDir
 
     total = args.warmup + 2 * args.rounds * args.block
@@ -128,6 +127,7 @@ def main() -> int:
 def hook_cost_s(run, config, *, rounds: int = 6, steps: int = 400) -> float:
     """Median extra seconds per optimizer step with watch attached, on a 4x1 linear model."""
     import torch
+
     from ciuic_doctor.probes.watch import attach
 
     model = torch.nn.Linear(4, 1)

@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
 from ciuic_doctor.probes.comm_collectives import Buffers, Shape
 
 # Largest M such that every integer in [0, M] is exact in the dtype (2**(mantissa bits + 1)).

@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ciuic_doctor.analysis.steps import differing_ranks
+from ciuic_doctor.errors import UserError
 from ciuic_doctor.probes.watch_values import (
     PendingQueue,
     Replicas,
@@ -44,9 +47,6 @@ from ciuic_doctor.probes.watch_values import (
     read_rss,
     start_copy,
 )
-
-from ciuic_doctor.analysis.steps import differing_ranks
-from ciuic_doctor.errors import UserError
 from ciuic_doctor.store import RunDir
 
 STREAM = "steps"

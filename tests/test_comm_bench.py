@@ -305,6 +305,7 @@ def _simulate(
 ) -> int:
     """Run the collective's data movement by hand over `world` fake ranks and count wrong elements."""
     import torch
+
     from ciuic_doctor.probes.comm_check import count_wrong, expected, fill_inputs, pattern_for
     from ciuic_doctor.probes.comm_collectives import DTYPES, allocate, elem_bytes, shape
 

@@ -332,12 +332,11 @@ def test_zombie_pid_is_one_clear_line(tmp_path):
 def _watch_as_nobody(target_pid: int, out: Path) -> tuple[int, str]:
     """Fork, drop to user nobody, run the memwatch CLI in the child (modules pre-imported: nobody may not
     read root's Python), and return its exit code and stderr."""
-    import ciuic_doctor.probes.memwatch
-
     import ciuic_doctor.cli
     import ciuic_doctor.commands.memwatch
     import ciuic_doctor.envinfo
     import ciuic_doctor.nvml
+    import ciuic_doctor.probes.memwatch
     import ciuic_doctor.render_text
 
     ciuic_doctor.nvml.get()

@@ -10,9 +10,9 @@ import types
 from pathlib import Path
 
 import pytest
-from ciuic_doctor.probes import memwatch
 
 from ciuic_doctor import nvml
+from ciuic_doctor.probes import memwatch
 
 MIB = 2**20
 

@@ -151,9 +151,9 @@ def test_attach_api_records_and_restores_torch(tmp_path):
 
 def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, capsys):
     import torch
-    from ciuic_doctor.probes import watch as probe_watch
 
     from ciuic_doctor import watch
+    from ciuic_doctor.probes import watch as probe_watch
 
     calls = []
 

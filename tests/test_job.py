@@ -135,7 +135,7 @@ def test_overflow_skips_steps_and_halves_the_scale(fp16_leaky_run):
     assert all(math.isfinite(records[s]["loss"]) for s in records)  # the loss itself was fine
     assert "SKIPPED (scale now" in done.stdout
     meta = RunDir.open(out).read_meta()
-    assert meta["job"]["precision"]["mode"] == "fp16"
+    assert meta["spec"]["precision"]["mode"] == "fp16"
     assert meta["job_run"]["injections"]["overflow_steps"] == [3, 4]
 
 

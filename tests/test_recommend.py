@@ -275,22 +275,18 @@ def test_docstring_examples(name):
     assert result.failed == 0
 
 
-def test_environment_captures_under_both_keys_are_merged(meta):
+def test_environment_capture_is_read_from_meta(meta):
     from ciuic_doctor.recommend import environment_of
 
-    merged = environment_of(
-        {"environment": {"torch": "2.6", "nccl": "2.26.2"}, "env": {"torch": "2.6", "nccl": None}}
-    )
-    assert merged == {"torch": "2.6", "nccl": "2.26.2"}
     assert environment_of(meta)["host"] == "gpu-node-01"
+    assert environment_of({"env": "garbled"}) == {}
 
 
 def test_the_spec_the_job_recorded_is_the_current_settings(meta):
     recorded = {
         **meta,
-        "job": {**meta["spec"], "dataloader": {**meta["spec"]["dataloader"], "num_workers": 7}},
+        "spec": {**meta["spec"], "dataloader": {**meta["spec"]["dataloader"], "num_workers": 7}},
     }
-    del recorded["spec"]
     spec = spec_for_run(recorded, None)
     assert spec.dataloader.num_workers == 7
     assert spec.source == "meta.json (recorded by the job)"

@@ -245,7 +245,7 @@ def test_job_under_torchrun_watch_writes_complete_records_for_both_ranks(job_und
     checks = [r["step"] for r in records if r["rank"] == 0 and r["weights_checksum"] is not None]
     assert checks == [1, 5]
     meta = RunDir.open(job_under_watch).read_meta()
-    assert meta["job"]["job"]["name"] == "deepseek-v3-tiny"  # the job wrote its spec into watch's run
+    assert meta["spec"]["job"]["name"] == "deepseek-v3-tiny"  # the job wrote its spec into watch's run
     assert meta["probes"]["watch"]["status"] == "finished"
 
 

@@ -142,7 +142,7 @@ class _Data:
 
 
 def _meta_device_totals(meta: dict[str, Any]) -> list[int]:
-    env = meta.get("env") or meta.get("environment") or {}  # both spellings are in use
+    env = meta.get("env") or {}
     return [d["total_memory_bytes"] for d in env.get("devices") or [] if d.get("total_memory_bytes")]
 
 

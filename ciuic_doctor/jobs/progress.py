@@ -108,7 +108,7 @@ class JobProgress:
             "watch": self.options.watch,
         }
         if self.lead and self.run is not None:
-            self.run.update_meta(job=self.spec.to_dict(), job_run=info)
+            self.run.update_meta(spec=self.spec.to_dict(), spec_source=self.spec.source, job_run=info)
             self.run.record_probe("job", status="running")
             self.run.record_environment()  # watch has captured it already; --no-watch has not
         self._print(

@@ -74,14 +74,9 @@ def fmt_number(x: float) -> str:
 
 
 def environment_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """The environment capture in meta.json. Probes write it under "env" or "environment" (with or without
-    torch's view of CUDA/NCCL); merge both, a known value winning over a missing one."""
-    merged: dict[str, Any] = {}
-    for key in ("environment", "env"):
-        part = meta.get(key)
-        if isinstance(part, dict):
-            merged.update({k: v for k, v in part.items() if v is not None or k not in merged})
-    return merged
+    """The environment capture in meta.json (`RunDir.record_environment` writes it under "env")."""
+    env = meta.get("env")
+    return env if isinstance(env, dict) else {}
 
 
 @dataclass(kw_only=True)

@@ -47,9 +47,8 @@ def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
     """--spec when given; else the spec the job recorded in meta.json; else the embedded default."""
     if path is not None:
         return load_spec(path)
-    # checkup records it as "spec", the job (which resolves --set and --spec) as "job"
-    candidates = [meta.get(k) for k in ("job", "spec", "job_spec")]
-    recorded = next((c for c in candidates if isinstance(c, dict) and "optim" in c), None)
+    # The job records the spec it trained with (--spec and --set resolved), after checkup's own record.
+    recorded = meta.get("spec") if isinstance(meta.get("spec"), dict) and "optim" in meta["spec"] else None
     spec = load_spec()
     if recorded is not None:
         sections = {k: v for k, v in recorded.items() if k in spec.to_dict() and isinstance(v, dict)}

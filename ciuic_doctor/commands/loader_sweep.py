@@ -130,7 +130,7 @@ def parse_int_list(text: str, option: str, minimum: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.envinfo import capture, cpu_budget
+    from ciuic_doctor.envinfo import cpu_budget
     from ciuic_doctor.errors import ProbeFailed, UserError
     from ciuic_doctor.jobs.spec import load_spec
     from ciuic_doctor.store import RunDir, default_run_path
@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     header["current"].pop("config")
 
     run_dir = RunDir.create(default_run_path(NAME, args.out))
-    run_dir.update_meta(environment=capture(with_torch=True))
+    run_dir.record_environment()
     run_dir.record_probe(NAME, status="running", argv=sys.argv[1:])
     over = [w for w in settings.workers if w > budget]
     print(

@@ -85,7 +85,7 @@ class Plan:
 class SteerableSampler:
     """Indices over a shuffled dataset, cycling, until `limit`. The measuring loop lowers the limit once
     it knows the group time (the DataLoader draws indices lazily, a few batches ahead), so the window
-    follows `window_s` and the epoch ends exactly where the measurement does: nothing prefetched is left
+    lasts as planned and the epoch ends exactly where the measurement does: nothing prefetched is left
     to drain before the second epoch's restart is timed."""
 
     def __init__(self, length: int, *, batch_size: int, seed: int) -> None:

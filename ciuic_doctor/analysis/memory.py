@@ -196,16 +196,22 @@ def _memwatch_series(data: _Data, rank: int, samples: list[dict[str, Any]], metr
 
 
 def _host_series(data: _Data, rank: int) -> Series | None:
+    """memwatch's samples when there are enough after warm-up, else the steps' own rss (every step)
+    — a short job watched at 1 s has fewer samples than steps."""
+    candidates = []
     samples = data.rank_samples(rank)
     for metric in HOST_METRICS:
         if sum(s.get(metric) is not None for s in samples) >= MIN_POINTS:
-            return _memwatch_series(data, rank, samples, metric)
+            candidates.append(_memwatch_series(data, rank, samples, metric))
+            break
     for metric in ("uss", "rss"):
         x, y = data.steps_field(rank, metric)
         if len(x) >= MIN_POINTS:
             host = data.steps[rank][0].get("host")
-            return Series(x=x, y=y, x_unit="step", metric=metric, source="steps", host=host)
-    return None
+            candidates.append(Series(x=x, y=y, x_unit="step", metric=metric, source="steps", host=host))
+            break
+    usable = [s for s in candidates if len(_warm(s).x) >= MIN_POINTS]
+    return (usable or candidates or [None])[0]
 
 
 def _device_series(data: _Data, rank: int) -> Series | None:

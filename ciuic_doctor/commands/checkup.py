@@ -31,7 +31,7 @@ HELP = "measure the job end to end (collectives, loader, steps, memory) and writ
 ORDER = 10
 
 CPU_MAX_BYTES = "4M"  # gloo on a CPU box: the small sizes are enough to see latency and bandwidth
-MEMWATCH_INTERVAL_S = "0.5"
+MEMWATCH_INTERVAL_S = "0.2"
 
 
 @dataclass(kw_only=True)

@@ -83,38 +83,53 @@ def empty_table() -> pd.DataFrame:
 
 
 def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
-    """A DataFrame with exactly COLUMNS and their dtypes from whatever subset `columns` holds."""
+    """A DataFrame with exactly COLUMNS and their dtypes from whatever subset `columns` holds.
+
+    Anything that is not a number becomes NaN (a row without a step is dropped); counts are clipped at 0,
+    intervals at 1, and a rank must be a whole number ≥ 0.
+    """
     import numpy as np
     import pandas as pd
 
     n = max((len(v) for v in columns.values() if hasattr(v, "__len__")), default=0)
 
-    def col(name: str, fill: Any) -> Any:
+    def number(name: str, fill: float) -> np.ndarray:
         value = columns.get(name)
-        return np.full(n, fill) if value is None else value
+        if value is None:
+            return np.full(n, fill, dtype=np.float64)
+        array = np.asarray(value)
+        if array.dtype.kind in "fiub":
+            return array.astype(np.float64)
+        return pd.to_numeric(pd.Series(value, dtype=object), errors="coerce").to_numpy(
+            np.float64, na_value=np.nan
+        )
 
+    step = number("step", np.nan)
+    keep = np.isfinite(step) & (np.abs(step) < 2**62)
+    every = bool(keep.all())
+
+    def kept(array: np.ndarray) -> np.ndarray:
+        return array if every else array[keep]
+
+    rank = kept(number("rank", np.nan))
+    valid_rank = np.isfinite(rank) & (rank >= 0) & (rank == np.round(rank)) & (rank < 2**31)
+    counts = {
+        name: np.clip(np.nan_to_num(kept(number(name, 0.0)), nan=0.0, posinf=0.0, neginf=0.0), 0, 2**62)
+        for name in ("skipped", "nonfinite")
+    }
+    interval = np.nan_to_num(kept(number("interval_steps", 1.0)), nan=1.0, posinf=1.0, neginf=1.0)
     frame = pd.DataFrame(
         {
-            "step": pd.to_numeric(pd.Series(col("step", 0)), errors="coerce"),
-            "rank": pd.array(pd.to_numeric(pd.Series(col("rank", np.nan)), errors="coerce"), dtype="Float64"),
-            **{
-                name: pd.to_numeric(pd.Series(col(name, np.nan)), errors="coerce").astype("float64")
-                for name in FLOAT_COLUMNS
-            },
-            "skipped": pd.to_numeric(pd.Series(col("skipped", 0)), errors="coerce"),
-            "nonfinite": pd.to_numeric(pd.Series(col("nonfinite", 0)), errors="coerce"),
-            "interval_steps": pd.to_numeric(pd.Series(col("interval_steps", 1)), errors="coerce"),
+            "step": kept(step).astype(np.int64),
+            "rank": pd.arrays.IntegerArray(np.where(valid_rank, rank, 0).astype(np.int64), ~valid_rank),
+            **{name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS},
+            "skipped": counts["skipped"].astype(np.int64),
+            "nonfinite": counts["nonfinite"].astype(np.int64),
+            "interval_steps": np.clip(interval, 1, 2**62).astype(np.int64),
+            "source": pd.Categorical.from_codes(np.zeros(int(keep.sum()), dtype=np.int8), [source]),
         }
     )
-    frame = frame[frame["step"].notna() & np.isfinite(frame["step"].astype("float64"))]
-    frame["step"] = frame["step"].astype("int64")
-    rank = frame["rank"]
-    frame["rank"] = rank.where(rank.notna() & (rank >= 0) & (rank == rank.round())).astype("Int64")
-    for name in ("skipped", "nonfinite"):
-        frame[name] = frame[name].fillna(0).clip(lower=0).astype("int64")
-    frame["interval_steps"] = frame["interval_steps"].fillna(1).clip(lower=1).astype("int64")
-    frame["source"] = source
-    return frame.reset_index(drop=True)[list(COLUMNS)]
+    return frame[list(COLUMNS)]
 
 
 def intervals(step, rank=None):  # pandas Series -> Series of steps each row covers

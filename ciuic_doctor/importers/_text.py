@@ -1,17 +1,24 @@
-"""Shared pieces of the text-log importers: chunked reading and the prefixes launchers add to lines.
+"""Shared pieces of the importers: reading big logs in chunks (in parallel) and launcher line prefixes.
 
 Logs are read in chunks cut at line ends, so a 1,000,000-line log is parsed a few MB at a time with
-whole-text regexes (one C-level pass per chunk) and memory stays flat. Bytes that are not UTF-8 become
-U+FFFD; a carriage return (tqdm progress bars) ends a line like a newline does.
+whole-text regexes and pandas' C parser, and memory stays flat. A file over PARALLEL_BYTES is split into
+byte ranges, one per usable CPU (affinity and cgroup quota, envinfo.cpu_budget), each parsed in a forked
+worker; a range owns the lines that start in it, so every line is read exactly once. Bytes that are not
+UTF-8 become U+FFFD; a carriage return (tqdm progress bars) ends a line like a newline does.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 CHUNK_BYTES = 8 << 20
+PARALLEL_BYTES = 64 << 20  # below this a worker costs more than it saves
+MAX_WORKERS = 8
 
 # Line prefixes added by launchers, not by the framework: torchrun `--tee`/`--local-ranks-filter`
 # (`[rank3]: `, `[default3]:`), srun --label / pdsh (`3: `).
@@ -19,41 +26,84 @@ RANK_PREFIX = r"(?:\[(?:rank|default|RANK)\s*(\d+)\]:[ \t]?|(\d{1,5}):[ \t]+)?"
 TIMESTAMP = r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?"
 
 
-def read_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[str]:
-    """Decoded text of `path` in pieces that end at a line end (the last piece may not)."""
-    rest = b""
+def byte_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+    """The lines that *start* in [start, end) of `path`, in pieces of about CHUNK_BYTES that each end
+    with a newline (one is added after a last line that lacks it)."""
     with open(path, "rb") as fh:
-        while True:
-            block = fh.read(chunk_bytes)
+        if start > 0:
+            fh.seek(start - 1)
+            if fh.read(1) != b"\n":
+                fh.readline()  # the line in progress belongs to the range before
+        position = fh.tell()
+        rest = b""
+        while end is None or position < end:
+            size = CHUNK_BYTES if end is None else min(CHUNK_BYTES, end - position)
+            block = fh.read(size)
             if not block:
                 break
+            position += len(block)
             data = rest + block
-            cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+            cut = data.rfind(b"\n")
             if cut < 0:
                 rest = data
                 continue
+            yield data[: cut + 1]
             rest = data[cut + 1 :]
-            yield _decode(data[: cut + 1])
-    if rest:
-        yield _decode(rest + b"\n")
+        if rest:
+            rest += fh.readline() if end is not None else b""  # finish the line that crosses `end`
+            yield rest if rest.endswith(b"\n") else rest + b"\n"
 
 
-def _decode(data: bytes) -> str:
-    text = data.decode("utf-8", errors="replace")
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
+def text_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterator[str]:
+    for data in byte_chunks(path, start, end):
+        text = data.decode("utf-8", errors="replace")
+        yield text.replace("\r\n", "\n").replace("\r", "\n") if "\r" in text else text
 
 
 def count_lines(text: str) -> int:
-    """Lines in a chunk, empty ones left out (they belong to nothing but are not worth counting)."""
-    return text.count("\n") - text.count("\n\n") + (0 if text.endswith("\n") else 1)
+    """Lines in a chunk (every chunk ends with a newline)."""
+    return text.count("\n")
 
 
-def rank_of(bracketed: str, labelled: str) -> float:
-    """The rank from a RANK_PREFIX match's two groups, NaN when there was no prefix."""
-    value = bracketed or labelled
-    return float(value) if value else float("nan")
+def workers_for(path: Path) -> int:
+    """How many processes to parse `path` with: 1 below PARALLEL_BYTES, else the usable CPUs
+    ($CIUIC_IMPORT_WORKERS overrides; 1 turns the parallel reading off)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return 1
+    wanted = os.environ.get("CIUIC_IMPORT_WORKERS", "")
+    if size < PARALLEL_BYTES or wanted == "1":
+        return 1
+    if wanted.isdigit() and int(wanted) > 0:
+        usable = int(wanted)
+    else:
+        from ciuic_doctor.envinfo import cpu_budget
+
+        usable = cpu_budget()["usable"]
+    return max(1, min(usable, MAX_WORKERS, size // CHUNK_BYTES))
+
+
+def map_ranges(path: Path, parse: Callable[..., Any], *args: Any) -> list[Any]:
+    """`parse(path, start, end, *args)` over byte ranges of `path`, in file order.
+
+    One range (in this process) for a small file or a single usable CPU; otherwise one range per
+    worker in forked processes (`parse` must be a module-level function; its result is pickled back).
+    """
+    workers = workers_for(path)
+    if workers == 1:
+        return [parse(path, 0, None, *args)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    size = path.stat().st_size
+    bounds = [size * i // workers for i in range(workers + 1)]
+    context = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    )
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        futures = [pool.submit(parse, path, a, b, *args) for a, b in itertools.pairwise(bounds)]
+        return [f.result() for f in futures]
 
 
 def unix_seconds(stamps):  # pandas Series of str -> float seconds (NaN where absent)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ciuic_doctor.importers import StepLog, normalize
-from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, read_chunks
+from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, text_chunks
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _LINE = re.compile(
@@ -66,7 +66,7 @@ def load(path: Path) -> StepLog:
     events: list[_Event] = []
     read = 0
     frameworks: set[str] = set()
-    for text in read_chunks(path):
+    for text in text_chunks(path):
         read += count_lines(text)
         for match in _LINE.finditer(text):
             events.append(_event(match, frameworks))

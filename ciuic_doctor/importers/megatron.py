@@ -12,8 +12,8 @@ a loss average > 0), which the `number of nan iterations` field then counts. `gr
 iteration's and is absent when that iteration was skipped. bf16 runs print `loss scale: 1.0`.
 
 Fast path: one regex over a few MB of text at a time, the captures joined into CSV for pandas' C parser
-(about 3 µs a line). A chunk with an iteration line the regex did not take goes line by line instead,
-where fields may come in any order.
+(about 3 µs a line; a big log is split across the usable CPUs). A chunk with an iteration line the regex
+did not take goes line by line instead, where fields may come in any order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ import re
 from pathlib import Path
 
 from ciuic_doctor.importers import StepLog, intervals, normalize
-from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, read_chunks, unix_seconds
+from ciuic_doctor.importers._text import (
+    RANK_PREFIX,
+    TIMESTAMP,
+    count_lines,
+    map_ranges,
+    text_chunks,
+    unix_seconds,
+)
 
 MIN_SCALE = 1.0  # Megatron's DynamicGradScaler min_scale default
 _SKIP = r"(?:[^|\n]*\|)*?"  # any fields in between, lazily
@@ -57,23 +64,39 @@ _FIELD_NAMES = {
 def load(path: Path) -> StepLog:
     import pandas as pd
 
-    frames = []
-    read = used = 0
-    for text in read_chunks(path):
-        read += count_lines(text)
-        frame = _fast(text)
-        if frame is None:
-            frame = _slow(text)
-        used += len(frame)
-        frames.append(frame)
-    raw = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=_COLUMNS)
+    parts = map_ranges(path, _parse_range)
+    columns = pd.concat([frame for frame, _, _ in parts], ignore_index=True)
+    read = sum(lines for _, lines, _ in parts)
+    used = sum(rows for _, _, rows in parts)
+    step, rank = columns["step"], columns["rank"]
     return StepLog(
-        table=_table(raw, source=f"megatron:{path.name}"),
+        table=normalize(
+            {**{k: columns[k] for k in columns.columns}, "interval_steps": intervals(step, rank)},
+            source=f"megatron:{path.name}",
+        ),
         read_lines=read,
         unread_lines=read - used,
         framework="megatron",
         min_scale=MIN_SCALE,
     )
+
+
+def _parse_range(path: Path, start: int, end: int | None):  # -> (numeric DataFrame, lines, iteration rows)
+    """The iteration lines of one byte range as numbers (what a worker sends back is plain arrays)."""
+    import pandas as pd
+
+    frames = []
+    lines = 0
+    for text in text_chunks(path, start, end):
+        lines += count_lines(text)
+        frame = _fast(text)
+        frame = _slow(text) if frame is None else frame
+        if len(frame):
+            frames.append(_numeric(frame))
+    if not frames:
+        return _numeric(pd.DataFrame(columns=_COLUMNS)), lines, 0
+    columns = pd.concat(frames, ignore_index=True)
+    return columns, lines, len(columns)
 
 
 def _fast(text: str):  # -> DataFrame | None
@@ -145,29 +168,25 @@ def _numbers(series):  # -> float Series; anything that is not a number becomes 
     return pd.to_numeric(series.astype("str").str.strip(), errors="coerce")
 
 
-def _table(raw, *, source: str):
+def _numeric(raw):  # captured text -> the table's columns as numbers (intervals come later, over all)
     import numpy as np
+    import pandas as pd
 
-    rank = _numbers(raw["rank_a"]).fillna(_numbers(raw["rank_b"]))
-    step = _numbers(raw["step"])
     loss = _numbers(raw["loss"])
     nan_iters = _numbers(raw["nan"]).fillna(0)
     # A non-finite average is either printed (inf) or dropped (NaN is not > 0); both count as such.
-    loss_bad = (~np.isfinite(loss) & loss.notna()).astype("int64")
-    nonfinite = np.maximum(nan_iters.to_numpy(dtype="float64"), loss_bad.to_numpy())
-    loss = loss.where(nan_iters <= 0, np.nan)
-    return normalize(
+    loss_bad = (~np.isfinite(loss) & loss.notna()).astype("float64")
+    has_time = raw["ts"].notna().any()
+    return pd.DataFrame(
         {
-            "step": step,
-            "rank": rank,
-            "t": unix_seconds(raw["ts"]) if raw["ts"].notna().any() else None,
-            "loss": loss,
+            "step": _numbers(raw["step"]),
+            "rank": _numbers(raw["rank_a"]).fillna(_numbers(raw["rank_b"])),
+            "t": unix_seconds(raw["ts"]) if has_time else np.full(len(raw), np.nan),
+            "loss": loss.where(nan_iters <= 0, np.nan),
             "lr": _numbers(raw["lr"]),
             "grad_norm": _numbers(raw["grad_norm"]),
             "loss_scale": _numbers(raw["loss_scale"]),
             "skipped": _numbers(raw["skipped"]).fillna(0),
-            "nonfinite": nonfinite,
-            "interval_steps": intervals(step, rank),
-        },
-        source=source,
+            "nonfinite": np.maximum(nan_iters.to_numpy(dtype="float64"), loss_bad.to_numpy()),
+        }
     )

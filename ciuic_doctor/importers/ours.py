@@ -11,7 +11,7 @@ records without a `step` are not step records), made fast for 10^6 lines: our wr
 JSON with the same keys in the same order on every line, so after turning `,` into `:` and dropping the
 braces a chunk is a `:`-separated table that pandas' C parser reads at about 1.5 µs a line. Every row's
 key columns are checked against the expected key order; a line that differs (other keys, a string with a
-comma, a torn last line) is parsed on its own with json.
+comma, a torn last line) is parsed on its own with json. A big file is split across the usable CPUs.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.importers import StepLog, intervals, normalize
+from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
-CHUNK_BYTES = 8 << 20
 WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm")
 _FLATTEN = bytes.maketrans(b",", b":")
@@ -82,34 +82,31 @@ def _apply_meta(log: StepLog, folder: Path) -> None:
 
 
 def _read_file(path: Path):  # -> (DataFrame, lines, unread lines)
-    import pandas as pd
+    first = next(byte_chunks(path), b"")
+    layout = _layout(first[: 1 << 16]) or _layout(first)
+    parts = map_ranges(path, _parse_range, layout)
+    frame = pd_concat([p[0] for p in parts])
+    return frame, sum(p[1] for p in parts), sum(p[2] for p in parts)
 
+
+def _parse_range(path: Path, start: int, end: int | None, layout: list[str] | None):
     frames, lines, unread = [], 0, 0
-    layout: list[str] | None = None
-    for chunk in _byte_chunks(path):
+    for chunk in byte_chunks(path, start, end):
         layout = layout or _layout(chunk)
         frame, n_lines, bad = _parse_chunk(chunk, layout)
         frames.append(frame)
         lines += n_lines
         unread += bad
+    return pd_concat(frames), lines, unread
+
+
+def pd_concat(frames: list):  # -> DataFrame with the columns the table needs, even when empty
+    import pandas as pd
+
+    frames = [f for f in frames if len(f)]
     if not frames:
-        return pd.DataFrame(columns=[*WANTED, "nonfinite"]), 0, 0
-    return pd.concat(frames, ignore_index=True), lines, unread
-
-
-def _byte_chunks(path: Path):  # -> Iterator[bytes], each ending in a newline
-    rest = b""
-    with open(path, "rb") as fh:
-        while block := fh.read(CHUNK_BYTES):
-            data = rest + block
-            cut = data.rfind(b"\n")
-            if cut < 0:
-                rest = data
-                continue
-            yield data[: cut + 1]
-            rest = data[cut + 1 :]
-    if rest:
-        yield rest + b"\n"  # a torn last line: read like any other, counted if it does not parse
+        return pd.DataFrame(columns=[*WANTED, "nonfinite"])
+    return pd.concat(frames, ignore_index=True)
 
 
 def _layout(chunk: bytes) -> list[str] | None:
@@ -173,7 +170,7 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
             return None
     n_lines = len(table)
     ok = np.ones(n_lines, dtype=bool)
-    for key in keys:
+    for key in _checked(keys, position):
         ok &= (table[2 * position[key]] == f'"{key}"').to_numpy(dtype=bool, na_value=False)
     out = {"line": np.arange(n_lines)}
     for key in WANTED:
@@ -191,16 +188,27 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
     return frame[ok], ok
 
 
+def _checked(keys: list[str], position: dict[str, int]) -> list[str]:
+    """The key columns compared on every row: the first and last wanted ones (a key added or dropped
+    before a wanted value shifts the last), plus step and loss. Reading all nine as text costs a third of
+    the parse; a writer that reorders keys within a line is not one we have."""
+    ordered = sorted(keys, key=position.__getitem__)
+    return sorted({ordered[0], ordered[-1], *({"step", "loss"} & set(keys))}, key=position.__getitem__)
+
+
 def _read_flat(flat: bytes, layout: list[str], keys: list[str], *, as_text: bool):  # -> DataFrame | None
     import pandas as pd
 
     position = {key: i for i, key in enumerate(layout)}
     usecols, dtype = [], {}
-    for key in keys:
-        usecols += [2 * position[key], 2 * position[key] + 1]
+    for key in _checked(keys, position):
+        usecols.append(2 * position[key])
         dtype[2 * position[key]] = "category"
+    for key in keys:
+        usecols.append(2 * position[key] + 1)
         number = "str" if as_text else "float64"
         dtype[2 * position[key] + 1] = "category" if key == "skipped" else number
+    usecols.sort()
     try:
         return pd.read_csv(
             io.BytesIO(flat),
@@ -213,6 +221,7 @@ def _read_flat(flat: bytes, layout: list[str], keys: list[str], *, as_text: bool
             keep_default_na=False,  # only JSON null is missing; "nan" is a value (and a finding)
             na_values=["null"],
             quoting=csv.QUOTE_NONE,  # quotes are characters: a line can never run into the next one
+            lineterminator="\n",  # nor can a stray carriage return split one
             engine="c",
         )
     except (ValueError, pd.errors.ParserError):  # a line with more fields, or text in a number column

@@ -87,38 +87,32 @@ def calibration(
 def find_storms(
     step: np.ndarray, skipped: np.ndarray, *, scale: np.ndarray, lr: np.ndarray, after: int, rule: ScalerRule
 ) -> list[Storm]:
-    """Windows of storm_window_steps after calibration holding ≥ storm_skips skipped steps."""
+    """Windows of storm_window_steps after calibration holding ≥ storm_skips skipped steps; overlapping
+    windows are one storm (from its first skipped row to its last)."""
     rows = np.flatnonzero((skipped > 0) & (step > after))
     if not len(rows):
         return []
     s, k = step[rows], skipped[rows].astype(np.int64)
     total = np.concatenate([[0], np.cumsum(k)])
     end = np.searchsorted(s, s + rule.storm_window_steps, side="left")  # rows in [s, s + window)
-    in_window = total[end] - total[np.arange(len(s))]
-    starts = np.flatnonzero(in_window >= rule.storm_skips)
+    starts = np.flatnonzero(total[end] - total[np.arange(len(s))] >= rule.storm_skips)
+    if not len(starts):
+        return []
+    last = end[starts] - 1  # the last skipped row inside each storm window
+    reach = np.maximum.accumulate(last)
+    new = np.concatenate([[True], starts[1:] > reach[:-1]])  # a window that starts past all before it
+    firsts = starts[new]
+    lasts = reach[np.concatenate([np.flatnonzero(new)[1:] - 1, [len(starts) - 1]])]
     storms: list[Storm] = []
-    covered = -1
-    for i in starts:
-        if i <= covered:
-            continue
-        # Extend while the next window that starts inside this storm is a storm too.
-        last = end[i] - 1
-        j = i
-        while True:
-            nxt = [x for x in starts if j < x <= last]
-            if not nxt:
-                break
-            j = nxt[-1]
-            last = max(last, end[j] - 1)
-        covered = last
-        first_row, last_row = rows[i], rows[last]
+    for i, j in zip(firsts, lasts, strict=True):
+        first_row, last_row = rows[i], rows[j]
         before = scale[:first_row][np.isfinite(scale[:first_row])]
         inside = scale[first_row : last_row + 1][np.isfinite(scale[first_row : last_row + 1])]
         storms.append(
             Storm(
                 start_step=int(s[i]),
-                end_step=int(s[last]),
-                skipped=int(total[last + 1] - total[i]),
+                end_step=int(s[j]),
+                skipped=int(total[j + 1] - total[i]),
                 scale_before=_finite_or_none(before[-1]) if len(before) else None,
                 scale_after=_finite_or_none(inside.min()) if len(inside) else None,
                 lr_at_start=_finite_or_none(lr[first_row]),

@@ -27,6 +27,7 @@ before, which a trend inflates and warm-up leaves unjudged (benchmarks/stability
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,25 +85,70 @@ class Spike:
         }
 
 
-def robust_bands(y: np.ndarray, rule: SpikeRule) -> tuple[np.ndarray, np.ndarray]:
-    """(baseline, σ) for each point of log-values `y` (NaN where there is too little before it)."""
+def threshold_of(sigma: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    """The line in log terms: x/b − 1 ≥ zσ for a batch-mean loss (roughly Gaussian noise around its
+    level), log x − log b ≥ zσ for a grad norm (skewed, closer to log-normal); never under min_rise."""
+    floor = math.log1p(rule.min_rise)
+    with np.errstate(invalid="ignore"):
+        line = np.log1p(rule.z * sigma) if rule.relative else rule.z * sigma
+    return np.maximum(line, floor)
+
+
+def robust_bands(y: np.ndarray, rule: SpikeRule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(baseline, σ, line) for log-values `y`; the baseline is computed only where a point might be over
+    the line (NaN elsewhere: those points are not spikes whatever it is).
+
+    A coarse level (medians of blocks of 32, from the blocks around and from the blocks before, the lower
+    of the two) picks the points that come within 2σ of the line; only there are the medians of the 8
+    before, the 8 after and the 64 around computed — a rolling median over every point of a 10^6-step log
+    costs most of a second, this costs nothing.
+    """
     import pandas as pd
 
-    series = pd.Series(y)
-    sigma = _noise(series.diff().abs(), rule)
-    before = series.rolling(rule.baseline_points, min_periods=rule.baseline_points).median().shift(1)
-    before = before.to_numpy()
-    # Offline the points after are known too: a median of the 64 points around the point has no lag on a
-    # trend and a third of the noise of 8 points before, and a spike of a few points barely moves it.
-    # Only where the 8 points after are clearly higher than the 8 before (a spike that recovers slowly,
-    # which the centred median would ride on) is the baseline the median of the 8 points before.
-    centred = series.rolling(8 * rule.baseline_points + 1, center=True).median().to_numpy()
-    after = series[::-1].rolling(rule.baseline_points).median()[::-1].shift(-1).to_numpy()
+    n = len(y)
+    sigma = _noise(pd.Series(y).diff().abs(), rule)
+    line = threshold_of(sigma, rule)
     with np.errstate(invalid="ignore"):
-        riding = (after - before > SLOW_SPIKE_Z * sigma) | np.isnan(centred)
-    baseline = np.where(riding, before, centred)
-    baseline[np.isnan(before)] = np.nan
-    return baseline, sigma
+        maybe = (y - _coarse_level(y)) >= line - 2 * sigma
+    maybe[: rule.noise_points] = True  # the steep start: look at every point
+    maybe[: rule.baseline_points] = False
+    maybe &= np.isfinite(sigma)
+    at = np.flatnonzero(maybe)
+    baseline = np.full(n, np.nan)
+    baseline[at] = _baseline_at(y, sigma, at, rule)
+    return baseline, sigma, line
+
+
+def _coarse_level(y: np.ndarray, size: int = 32) -> np.ndarray:
+    """A cheap level under the curve: block medians interpolated through block centres, and the same
+    from the block before (which a spike that has just started has not lifted yet); the lower of the two."""
+    n = len(y)
+    medians = _block_medians(y, size)[::size]
+    centres = np.arange(len(medians)) * size + (size - 1) / 2
+    around = np.interp(np.arange(n), centres, medians)
+    before = np.interp(np.arange(n), centres + size, medians)
+    return np.fmin(around, before)
+
+
+def _baseline_at(y: np.ndarray, sigma: np.ndarray, at: np.ndarray, rule: SpikeRule) -> np.ndarray:
+    """The baseline at indices `at`: the median of the 64 points around, unless the 8 points after sit
+    SLOW_SPIKE_Z σ above the 8 before (a spike that recovers slowly, which a centred median would ride on):
+    then the median of the 8 before. A centred median has no lag on a trend and a third of the noise of 8
+    points before, and a spike of a few points barely moves it."""
+    n, b = len(y), rule.baseline_points
+    if not len(at):
+        return np.empty(0)
+    before = np.median(y[at[:, None] + np.arange(-b, 0)], axis=1)
+    after_idx = np.minimum(at[:, None] + np.arange(1, b + 1), n - 1)
+    after = np.median(y[after_idx], axis=1)
+    half = 4 * b
+    inside = (at - half >= 0) & (at + half < n)
+    centred = np.full(len(at), np.nan)
+    if inside.any():
+        centred[inside] = np.median(y[at[inside, None] + np.arange(-half, half + 1)], axis=1)
+    with np.errstate(invalid="ignore"):
+        riding = (after - before > SLOW_SPIKE_Z * sigma[at]) | (at + b >= n) | np.isnan(centred)
+    return np.where(riding, before, centred)
 
 
 def _noise(steps, rule: SpikeRule) -> np.ndarray:  # |Δ log| Series -> σ per point
@@ -115,15 +161,30 @@ def _noise(steps, rule: SpikeRule) -> np.ndarray:  # |Δ log| Series -> σ per p
     import pandas as pd
 
     window = rule.noise_points + 1
-    median = steps.rolling(window, min_periods=rule.min_history, center=True).median().to_numpy()
-    capped = pd.Series(np.minimum(steps.to_numpy(), WINSOR * median) ** 2)
+    values = steps.to_numpy()
+    # The cap only needs the scale of |Δ|: medians of consecutive blocks do (and cost O(n), not O(n log w)).
+    cap = WINSOR * _block_medians(values, rule.noise_points)
+    capped = pd.Series(np.minimum(values, cap) ** 2)
     mean_square = capped.rolling(window, min_periods=rule.min_history, center=True).mean().to_numpy()
     sigma = np.sqrt(mean_square / WINSOR_CORRECTION / 2.0)
-    past = steps.rolling(rule.noise_points, min_periods=rule.min_history).median().shift(1).to_numpy()
-    early = slice(0, rule.noise_points)
-    sigma[early] = np.fmax(past[early] * ROBUST_SIGMA, sigma[early])
-    sigma[np.isnan(past)] = np.nan
+    early = slice(0, rule.noise_points + 1)
+    head = steps.iloc[early]
+    past = head.rolling(rule.noise_points, min_periods=rule.min_history).median().shift(1).to_numpy()
+    sigma[early] = np.fmax(past * ROBUST_SIGMA, sigma[early])
+    sigma[early][np.isnan(past)] = np.nan
     return sigma
+
+
+def _block_medians(values: np.ndarray, size: int) -> np.ndarray:
+    """Each point's value replaced by the median of its block of `size` (NaN ignored), same length."""
+    n = len(values)
+    blocks = -(-n // size)
+    padded = np.full(blocks * size, np.nan)
+    padded[:n] = values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN block stays NaN, quietly
+        medians = np.nanmedian(padded.reshape(blocks, size), axis=1)
+    return np.repeat(medians, size)[:n]
 
 
 def find_spikes(steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RULE) -> list[Spike]:
@@ -134,14 +195,10 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RU
     if n <= rule.min_history:
         return []
     y = np.log(v)
-    baseline, sigma = robust_bands(y, rule)
+    baseline, sigma, threshold = robust_bands(y, rule)
     floor = math.log1p(rule.min_rise)
-    if rule.relative:  # x/b − 1 ≥ zσ: a batch-mean loss has roughly Gaussian noise around its level
-        threshold = np.maximum(np.log1p(rule.z * sigma), floor)
-    else:  # log x − log b ≥ zσ: a norm's noise is skewed, closer to log-normal
-        threshold = np.maximum(rule.z * sigma, floor)
     with np.errstate(invalid="ignore"):
-        over = (y - baseline) >= threshold
+        over = (y - baseline) >= threshold  # NaN baseline: not over
     spikes: list[Spike] = []
     starts: list[int] = []
     next_free = 0
@@ -191,30 +248,28 @@ def find_divergence(
 ) -> Divergence | None:
     """The loss ends ≥ `ratio` × its best (smoothed) level and stayed above √ratio × best for the tail.
 
-    A spike recovers; a divergence does not come back before the log ends. Smoothing is a trailing median
-    over max(16, n/50) points so that noise cannot make a best that was never there.
+    A spike recovers; a divergence does not come back before the log ends. The curve is smoothed as medians
+    of blocks of max(16, n/50) points, so that noise cannot make a best that was never there.
     """
-    import pandas as pd
-
     ok = np.isfinite(values) & (values > 0)
     s, y = steps[ok], np.log(values[ok])
     n = len(y)
-    if n < 32:
-        return None
     window = int(min(200, max(16, n // 50)))
-    smooth = pd.Series(y).rolling(window, min_periods=window // 2).median().to_numpy()
-    best = np.fmin.accumulate(np.where(np.isnan(smooth), np.inf, smooth))
+    count = n // window
+    if count < 4:
+        return None
+    first = n - count * window  # whole blocks ending at the last point
+    smooth = np.median(y[first:].reshape(count, window), axis=1)
+    best = np.minimum.accumulate(smooth)
     gap = smooth - best
-    tail = max(window, int(n * tail_fraction))
+    tail = -(-max(window, int(n * tail_fraction)) // window)
     if not (gap[-1] >= math.log(ratio) and np.all(gap[-tail:] >= 0.5 * math.log(ratio))):
         return None
-    # Onset: the bottom of the U — where the curve last sat at its best before the rise.
-    rising = np.flatnonzero(gap < 0.5 * math.log(ratio))
-    last_low = int(rising[-1]) if len(rising) else 0
-    small = pd.Series(y).rolling(8, min_periods=1, center=True).median().to_numpy()
-    lo = max(0, last_low - window)
-    onset = lo + int(np.argmin(small[lo : last_low + 1]))
-    detected = int(np.flatnonzero(gap >= math.log(ratio))[0])
+    low = np.flatnonzero(gap < 0.5 * math.log(ratio))
+    last_low = first + (int(low[-1]) + 1) * window - 1 if len(low) else first + window - 1
+    detected = first + (int(np.flatnonzero(gap >= math.log(ratio))[0]) + 1) * window - 1
+    lo, hi = max(0, last_low - 3 * window), min(n, detected + window)
+    onset = lo + _hinge(s[lo:hi].astype(np.float64), y[lo:hi])
     return Divergence(
         onset_step=int(s[onset]),
         detected_step=int(s[detected]),
@@ -222,3 +277,37 @@ def find_divergence(
         final=float(math.exp(smooth[-1])),
         ratio=float(math.exp(gap[-1])),
     )
+
+
+def _hinge(t: np.ndarray, y: np.ndarray) -> int:
+    """Index of the knee of the best fit y ≈ a + b·t + c·max(0, t − t_k) (least squares over every k).
+
+    A divergence is a trend that turns into a rise; the knee is where it turned. All candidate knees are
+    fitted at once from suffix sums (each fit is a 3×3 normal-equation solve).
+    """
+    t = t - t[0]
+    n = len(t)
+    if n < 8:
+        return 0
+
+    def suffix(x: np.ndarray) -> np.ndarray:
+        return np.cumsum(x[::-1])[::-1]
+
+    c1, st, st2, sy, sty = suffix(np.ones(n)), suffix(t), suffix(t * t), suffix(y), suffix(t * y)
+    k = np.arange(1, n - 2)  # a knee with at least 3 points after it
+    tk = t[k]
+    sx = st[k] - tk * c1[k]  # Σ (t − t_k) over t ≥ t_k
+    sxx = st2[k] - 2 * tk * st[k] + tk * tk * c1[k]
+    stx = st2[k] - tk * st[k]
+    sxy = sty[k] - tk * sy[k]
+    gram = np.empty((len(k), 3, 3))
+    gram[:, 0, 0], gram[:, 0, 1], gram[:, 0, 2] = n, t.sum(), sx
+    gram[:, 1, 1], gram[:, 1, 2], gram[:, 2, 2] = (t * t).sum(), stx, sxx
+    gram[:, 1, 0], gram[:, 2, 0], gram[:, 2, 1] = gram[:, 0, 1], gram[:, 0, 2], gram[:, 1, 2]
+    rhs = np.stack([np.full(len(k), y.sum()), np.full(len(k), (t * y).sum()), sxy], axis=1)
+    try:
+        beta = np.linalg.solve(gram, rhs[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        return 0
+    sse = (y * y).sum() - (beta * rhs).sum(axis=1)
+    return int(k[int(np.nanargmin(sse))])

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import logsynth as ls
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.importers import COLUMNS, FORMATS, load, sniff
+from ciuic_doctor.importers import COLUMNS, FORMATS, _text, load, sniff
 
 
 def write(tmp_path, name: str, text: str):
@@ -296,3 +298,37 @@ def test_fuzz_importers_survive_anything(tmp_path_factory, data):
         assert list(log.table.columns) == list(COLUMNS)
         assert log.unread_lines >= 0
     assert all("\n" not in message for message in errors)
+
+
+# ---- big logs: byte ranges read in parallel ---------------------------------------------------------
+
+
+def test_byte_ranges_read_every_line_exactly_once(tmp_path, monkeypatch):
+    rng = np.random.default_rng(12)
+    monkeypatch.setattr(_text, "CHUNK_BYTES", 7)
+    for trial in range(60):
+        lines = ["x" * int(n) for n in rng.integers(0, 25, size=int(rng.integers(0, 30)))]
+        data = ("\n".join(lines) + ("\n" if trial % 2 else "")).encode()
+        path = tmp_path / f"f{trial}.log"
+        path.write_bytes(data)
+        cuts = sorted({0, len(data), *rng.integers(0, len(data) + 1, size=4).tolist()})
+        got = b"".join(b"".join(_text.byte_chunks(path, a, b)) for a, b in itertools.pairwise(cuts))
+        assert got == (data if not data or data.endswith(b"\n") else data + b"\n")
+
+
+@pytest.mark.parametrize("kind", ["megatron", "ours"])
+def test_parallel_reading_gives_the_same_table(tmp_path, monkeypatch, kind):
+    run = ls.make_run(3000, seed=13, scaler="gradscaler", nan_steps=(1234,))
+    if kind == "ours":
+        path = ls.write_ours(tmp_path / "run", run, ranks=1).path / "steps.rank0.jsonl"
+    else:
+        path = write(tmp_path, "train.log", ls.megatron_log(run, interval=1))
+    monkeypatch.setenv("CIUIC_IMPORT_WORKERS", "1")
+    single = load(path)
+    monkeypatch.setattr(_text, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(_text, "CHUNK_BYTES", 50_000)
+    monkeypatch.setenv("CIUIC_IMPORT_WORKERS", "3")
+    assert _text.workers_for(path) == 3
+    parallel = load(path)
+    pd.testing.assert_frame_equal(single.table, parallel.table)
+    assert (single.read_lines, single.unread_lines) == (parallel.read_lines, parallel.unread_lines)

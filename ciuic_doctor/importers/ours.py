@@ -10,8 +10,9 @@ Reading is semantically `store.read_jsonl` (a line that is not a JSON object is 
 records without a `step` are not step records), made fast for 10^6 lines: our writer emits compact
 JSON with the same keys in the same order on every line, so after turning `,` into `:` and dropping the
 braces a chunk is a `:`-separated table that pandas' C parser reads at about 1.5 µs a line. Every row's
-key columns are checked against the expected key order; a line that differs (other keys, a string with a
-comma, a torn last line) is parsed on its own with json. A big file is split across the usable CPUs.
+first and last wanted key are checked against the expected key order; a line that differs (other keys, a
+string with a comma, a torn last line) is parsed on its own with json. A big file is split across the
+usable CPUs.
 """
 
 from __future__ import annotations
@@ -189,11 +190,11 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
 
 
 def _checked(keys: list[str], position: dict[str, int]) -> list[str]:
-    """The key columns compared on every row: the first and last wanted ones (a key added or dropped
-    before a wanted value shifts the last), plus step and loss. Reading all nine as text costs a third of
-    the parse; a writer that reorders keys within a line is not one we have."""
+    """The key columns compared on every row: the first and the last wanted one. A key added or dropped
+    before a wanted value shifts the last; reading all nine keys as text would cost a third of the parse,
+    and our writer emits the same key order on every line (probes/watch.py RECORD_KEYS)."""
     ordered = sorted(keys, key=position.__getitem__)
-    return sorted({ordered[0], ordered[-1], *({"step", "loss"} & set(keys))}, key=position.__getitem__)
+    return sorted({ordered[0], ordered[-1]}, key=position.__getitem__)
 
 
 def _read_flat(flat: bytes, layout: list[str], keys: list[str], *, as_text: bool):  # -> DataFrame | None

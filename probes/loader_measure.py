@@ -358,6 +358,12 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
             receiver.close()
             os.setpgid(0, 0)
+            # One intra-op thread in the forked child: if the parent ever ran a parallel op, its OpenMP
+            # pool does not survive the fork and the child's first parallel op (randperm of 100 000
+            # indices here, or the user's dataset) deadlocks. DataLoader workers run one thread too.
+            import torch
+
+            torch.set_num_threads(1)
             sender.send(("done", _measure(sender, dataset, cfg, plan)))
         except BaseException as exc:
             with contextlib.suppress(BaseException):

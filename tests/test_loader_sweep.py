@@ -273,3 +273,22 @@ def test_ctrl_c_keeps_the_records_and_leaves_no_process(run_path):
     assert records[-1]["stopped"] == "interrupted"
     assert any(r["kind"] == "measure" and r["status"] == "ok" for r in records)
     assert all(_dead(child.pid) for child in children)
+
+
+def test_measure_survives_a_parent_that_ran_parallel_ops():
+    """The measuring child is forked: if the parent's OpenMP pool had run (any matmul), the child's first
+    parallel op (randperm of the sampler) deadlocked until the watchdog fired. Found by CI on a fresh clone,
+    where earlier tests in the same process had multiplied matrices."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))  # a pool of at least 2, whatever this machine's core count
+    try:
+        x = torch.randn(512, 512)
+        (x @ x).sum()
+        result = measure(
+            SyntheticDataset(sample_bytes=4096),
+            LoaderConfig(num_workers=1, prefetch_factor=2),
+            Plan(batch_size=4, window_s=0.1, min_groups=5, timeout_s=10),
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert result["status"] == "ok", result

@@ -64,7 +64,7 @@ def test_two_ranks_under_torchrun_measure_every_collective(tmp_path):
     assert probe["status"] == "ok"
     assert probe["backend"] == "gloo"
     assert probe["config"]["bucket_bytes"] == 25 << 20
-    assert meta["environment"]["world"]["world_size"] == 2
+    assert meta["env"]["world"]["world_size"] == 2
     findings = {(f.check, f.where.get("collective")): f for f in comm_analysis.analyze(RunDir.open(out))}
     assert findings[("correctness", None)].verdict == "pass"
     assert findings[("algo_choice", None)].verdict == "not_run"

@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 
@@ -143,7 +144,10 @@ def test_leak_shows_as_growing_rss(fp16_leaky_run):
     out, _ = fp16_leaky_run
     rss = [r["rss"] for r in sorted(steps_of(out), key=lambda r: r["step"])]
     growth_mb = [(b - a) / 2**20 for a, b in itertools.pairwise(rss[2:])]
-    assert min(growth_mb) > 12, growth_mb  # 16 MB a step, every step after the warm-up
+    # 16 MB a step after the warm-up. One step's RSS delta also carries the allocator returning or
+    # reusing activation pages (seen on a fresh clone: 11, 21, 9.5, 24 MB), so judge the mean.
+    assert all(g > 0 for g in growth_mb), growth_mb
+    assert 12 < statistics.mean(growth_mb) < 20, growth_mb
 
 
 def test_spike_multiplies_the_lr_of_one_step(fp16_leaky_run):

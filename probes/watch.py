@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.util
 import os
 import runpy
 import sys
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from ciuic_doctor.analysis.steps import differing_ranks
-from ciuic_doctor.errors import UserError
+from ciuic_doctor.probes.watch_target import check_target
 from ciuic_doctor.probes.watch_values import (
     PendingQueue,
     Replicas,
@@ -447,28 +446,17 @@ def run_script(argv: list[str]) -> int:
     sys.argv is the script's own; sys.path[0] is the script's directory (for -m: the current directory),
     as `python` sets them. An exception is printed as Python prints it and gives exit code 1.
     """
-    if not argv:
-        raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
+    check_target(argv)
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     try:
         if argv[0] == "-m":
-            if len(argv) < 2:
-                raise UserError("-m needs a module name")
             sys.path[0] = os.getcwd()
-            try:
-                found = importlib.util.find_spec(argv[1])
-            except (ImportError, ValueError):
-                found = None
-            if found is None:
-                raise UserError(f"-m {argv[1]}: no such module")
             sys.argv = [argv[1], *argv[2:]]
             runner: Callable[[], Any] = functools.partial(
                 runpy.run_module, argv[1], run_name="__main__", alter_sys=True
             )
         else:
             script = Path(argv[0])
-            if not script.is_file():
-                raise UserError(f"{script}: no such script")
             sys.argv = list(argv)
             sys.path[0] = str(script.resolve().parent)
             runner = functools.partial(runpy.run_path, str(script), run_name="__main__")

@@ -7,7 +7,10 @@ import doctest
 import importlib
 import json
 import math
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import run_cli, torchrun
@@ -316,3 +319,20 @@ def test_analyze_returns_both_checks(tmp_path):
             w.write(rec)
     assert {f.check for f in analyze(run)} == {"rank_desync", "step_time"}
     assert as_float(run.read("steps").records[1]["step_time_s"]) == 0.1
+
+
+def test_module_in_the_current_directory_runs_through_the_console_script(tmp_path, script):
+    """`ciuic-doctor watch -- -m mod` finds mod in the current directory, as `python -m mod` would. The
+    console script's own sys.path[0] is its bin directory, so a check made there alone refused it."""
+    console = Path(sys.executable).with_name("ciuic-doctor")
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [str(console), "watch", "--out", str(out), "--", "-m", script.stem, "3", "clip"],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [r["step"] for r in steps_of(out)] == [1, 2, 3]

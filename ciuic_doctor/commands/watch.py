@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ciuic_doctor.commands._common import add_out, positive_int
 
@@ -59,35 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_target(argv: list[str]) -> None:
-    """Refuse a missing script or module before anything is recorded (one line, exit 2)."""
-    import importlib.util
-
-    from ciuic_doctor.errors import UserError
-
-    if argv[0] != "-m":
-        if not Path(argv[0]).is_file():
-            raise UserError(f"{argv[0]}: no such script")
-        return
-    if len(argv) < 2:
-        raise UserError("-m needs a module name")
-    try:
-        found = importlib.util.find_spec(argv[1])
-    except (ImportError, ValueError):
-        found = None
-    if found is None:
-        raise UserError(f"-m {argv[1]}: no such module")
-
-
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.probes.watch_target import check_target  # no torch: refuse bad targets fast
 
     argv = list(args.script_argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    if not argv:
-        raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
-    _check_target(argv)
+    check_target(argv)
 
     import torch
 

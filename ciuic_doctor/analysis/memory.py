@@ -393,31 +393,23 @@ def _workers(data: _Data) -> list[Finding]:
                 if copy_on_read
                 else "RSS grows with USS: the workers allocate (a cache in the Dataset?)"
             )
+            verdict = "warn"
             summary = (
                 f"{len(growing)} of {len(fits)} workers of rank {rank} grow ~{uss_mb:.0f} MiB each: {how}"
             )
-            findings.append(
-                Finding(
-                    probe=PROBE,
-                    check="worker_memory_growth",
-                    verdict="warn",
-                    summary=summary,
-                    evidence=evidence,
-                    where=where,
-                )
-            )
         else:
+            verdict = "pass"
             summary = f"workers of rank {rank}: USS flat (median {uss_mb:+.1f} MiB over the watch)"
-            findings.append(
-                Finding(
-                    probe=PROBE,
-                    check="worker_memory_growth",
-                    verdict="pass",
-                    summary=summary,
-                    evidence=evidence,
-                    where=where,
-                )
+        findings.append(
+            Finding(
+                probe=PROBE,
+                check="worker_memory_growth",
+                verdict=verdict,
+                summary=summary,
+                evidence=evidence,
+                where=where,
             )
+        )
     return findings
 
 

@@ -176,9 +176,13 @@ class RunDir:
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
+        """An existing run directory: one with meta.json or at least one stream. Anything else is refused,
+        so `analyze /etc` cannot write findings.json into a folder that was never a run."""
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"{path}: no such run directory")
+        if not (path / "meta.json").is_file() and not any(path.glob("*.jsonl")):
+            raise UserError(f"{path}: not a run directory (no meta.json and no *.jsonl streams)")
         return cls(path)
 
     # ---- streams -------------------------------------------------------------------------------

@@ -172,6 +172,14 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_a_folder_that_is_no_run_directory_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a run")
+    result = run_cli("analyze", str(tmp_path))
+    assert result.returncode == 2
+    assert "not a run directory" in result.stderr
+    assert not (tmp_path / "findings.json").exists()
+
+
 def test_unknown_command_is_a_usage_error():
     result = run_cli("no-such-command")
     assert result.returncode == 2

@@ -45,7 +45,7 @@ RUN_DIR_ENV = "CIUIC_RUN_DIR"  # set by our launcher so every rank writes into t
 def _json_default(value: Any) -> Any:
     """Serialise numpy / torch scalars and paths without importing either library."""
     if hasattr(value, "item"):
-        return value.item()
+        return _finite(value.item())
     if isinstance(value, Path):
         return str(value)
     if hasattr(value, "__dataclass_fields__"):
@@ -67,10 +67,19 @@ def _finite(value: Any) -> Any:
 
 
 def dumps(record: Any) -> str:
-    """One JSON line, secrets scrubbed, non-finite floats as strings."""
+    """One JSON line, secrets scrubbed, non-finite floats as strings.
+
+    The C encoder tries first and refuses NaN/inf itself (allow_nan=False); only then is the record walked
+    in Python to replace them. That walk cost memwatch ~0.15 % of a core at 10 Hz and every watched step
+    its share, for values that are almost always finite.
+    """
     from ciuic_doctor.envinfo import scrub
 
-    return scrub(json.dumps(_finite(record), default=_json_default, separators=(",", ":")))
+    try:
+        text = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(record), default=_json_default, separators=(",", ":"))
+    return scrub(text)
 
 
 def as_float(value: Any) -> float | None:

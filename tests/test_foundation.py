@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -55,6 +56,19 @@ def test_stream_roundtrip_and_torn_last_line(tmp_path):
     assert first["t"] > 0
     assert first["x"] == "nan"
     assert as_float(first["x"]) != as_float(first["x"])
+
+
+def test_non_finite_values_of_every_kind_are_stored_as_strings():
+    """Python floats, NumPy scalars and 0-d tensors alike: NaN/inf never reach the file as bare NaN,
+    which is not JSON, and finite values are written as numbers."""
+    import numpy as np
+    import torch
+
+    from ciuic_doctor.store import dumps
+
+    record = {"a": float("nan"), "b": [float("inf")], "c": np.float32("nan"), "d": torch.tensor(-math.inf)}
+    assert json.loads(dumps(record)) == {"a": "nan", "b": ["inf"], "c": "nan", "d": "-inf"}
+    assert json.loads(dumps({"x": np.int64(3), "y": torch.tensor(2.5)})) == {"x": 3, "y": 2.5}
 
 
 def test_per_rank_files_are_read_in_rank_order(tmp_path):

@@ -73,6 +73,7 @@ def test_two_ranks_under_torchrun_measure_every_collective(tmp_path):
 
 def test_two_nodes_one_rank_each_over_c10d_loopback(tmp_path):
     """Two torchrun agents meeting at a c10d rendezvous, as two hosts would."""
+    console = Path(sys.executable).with_name("ciuic-doctor")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -92,8 +93,8 @@ def test_two_nodes_one_rank_each_over_c10d_loopback(tmp_path):
                 "--rdzv-backend=c10d",
                 f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=cb-{port}",
-                "-m",
-                "ciuic_doctor",
+                # both launch forms the README gives: -m on node 0, the console script on node 1
+                *(["-m", "ciuic_doctor"] if node == 0 else ["--no-python", str(console)]),
                 "comm-bench",
                 *args,
             ],

@@ -313,7 +313,8 @@ class Sweep:
     ) -> str:
         used = min(1.0, self.elapsed() / self.settings.budget_s)
         bar = "#" * round(10 * used) + "." * (10 - round(10 * used))
-        head = f"[{bar}] {self.elapsed():5.1f}/{self.settings.budget_s:g} s  round {round_no + 1}/{rounds}"
+        budget = f"/{self.settings.budget_s:g}" if self.settings.strategy != "grid" else ""  # a grid has none
+        head = f"[{bar}] {self.elapsed():5.1f}{budget} s  round {round_no + 1}/{rounds}"
         head += f"  {i}/{n}  {cfg.id:<12}"
         if r["status"] != "ok":
             return f"{head} {r['status'].upper()}: {r.get('error')}"

@@ -21,6 +21,15 @@ from typing import Any
 from ciuic_doctor.errors import ProbeFailed, UserError
 from ciuic_doctor.store import RUN_DIR_ENV
 
+# torch.distributed's default process-group timeout: 10 min for NCCL, 30 min for every other backend
+# (reference/collectives.md). A spec's 30 s is a big reduction from either, not an increase.
+PG_TIMEOUT_DEFAULT_S = {"nccl": 600.0, "gloo": 1800.0}
+
+
+def default_pg_timeout_s(backend: str | None) -> float:
+    """PyTorch's default timeout for `backend` (None or an unknown backend: the non-NCCL 1800 s)."""
+    return PG_TIMEOUT_DEFAULT_S["nccl"] if backend == "nccl" else PG_TIMEOUT_DEFAULT_S["gloo"]
+
 
 def in_torchrun() -> bool:
     """True inside a rank started by torchrun (or any launcher that sets the env:// variables)."""

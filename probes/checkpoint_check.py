@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ciuic_doctor.errors import ProbeFailed
-from ciuic_doctor.launch import agree_on_run_dir
+from ciuic_doctor.launch import agree_on_run_dir, default_pg_timeout_s
 from ciuic_doctor.probes.checkpoint_cost import (
     Methods,
     agree,
@@ -46,8 +46,6 @@ from ciuic_doctor.units import format_bytes
 PROBE = "checkpoint-check"
 STREAM = "checkpoint"
 PROBE_TIMEOUT_S = 3600.0
-PG_TIMEOUT_DEFAULT_S = {"nccl": 600.0}  # torch.distributed: 10 min for NCCL, 30 min for the others
-PG_TIMEOUT_OTHER_S = 1800.0
 
 
 @dataclass(kw_only=True)
@@ -138,7 +136,7 @@ class Check:
             "load_method": self.methods.load_name,
             "variants": [v.name for v in self.variants],
             "timeout_s": spec.distributed.timeout_s,
-            "pytorch_default_timeout_s": PG_TIMEOUT_DEFAULT_S.get(backend, PG_TIMEOUT_OTHER_S),
+            "pytorch_default_timeout_s": default_pg_timeout_s(backend),
             "probe_timeout_s": self.probe_timeout_s,
             "every_steps": spec.checkpoint.every_steps,
             "host_total_bytes": psutil.virtual_memory().total,

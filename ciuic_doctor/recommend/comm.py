@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 
 from ciuic_doctor.findings import Confidence, Finding
+from ciuic_doctor.launch import default_pg_timeout_s
 from ciuic_doctor.recommend.core import (
     FLIGHT_RECORDER_ENV,
     NCCL_PER_COLLECTIVE_SINCE,
-    PG_TIMEOUT_DEFAULT_S,
     TIMEOUT_SAFETY_FACTOR,
     Context,
     Plan,
@@ -164,7 +164,7 @@ def rule_pg_timeout(ctx: Context, plan: Plan) -> None:
         return
     label, longest = waits[0]
     backend = ctx.backend or "nccl"
-    default_s = PG_TIMEOUT_DEFAULT_S.get(backend, PG_TIMEOUT_DEFAULT_S["gloo"])
+    default_s = default_pg_timeout_s(backend)
     current = float(ctx.spec.distributed.timeout_s)
     needed = TIMEOUT_SAFETY_FACTOR * longest
     defaults = "PyTorch's default is 600 s for NCCL and 1800 s for gloo"

@@ -13,7 +13,6 @@ from ciuic_doctor.findings import Confidence, Finding, Recommendation
 from ciuic_doctor.jobs.spec import JobSpec
 
 # PyTorch's defaults, named wherever a rule compares with them.
-PG_TIMEOUT_DEFAULT_S = {"nccl": 600.0, "gloo": 1800.0}  # torch.distributed: 10 min NCCL, 30 min others
 GRADSCALER_INIT_SCALE = 2.0**16
 GRADSCALER_GROWTH_INTERVAL = 2000
 ONECYCLE_DEFAULT_PCT_START = 0.3

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ciuic_doctor.launch import PG_TIMEOUT_DEFAULT_S
 from ciuic_doctor.recommend import (
     NCCL_PER_COLLECTIVE_SINCE,
-    PG_TIMEOUT_DEFAULT_S,
     TIMEOUT_SAFETY_FACTOR,
     Context,
     longest_waits,

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ciuic_doctor.errors import UserError
+from ciuic_doctor.probes.loader_measure import one_line
 
 SYNTHETIC_SAMPLES = 100_000  # samples are made on the fly; the length only bounds an epoch
 _HASH_CHUNK = b"\x5a" * 4096  # one sha256 over 4 KiB ≈ 5-10 µs: fine-grained enough to stop on time
@@ -81,7 +82,7 @@ def load_callable(text: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any error while importing user code is the user's to fix
-        raise UserError(f"--dataset {text}: cannot import {module_name!r} ({_one_line(exc)})") from None
+        raise UserError(f"--dataset {text}: cannot import {module_name!r} ({one_line(exc)})") from None
     target: Any = module
     for part in attr_path.split("."):
         if not hasattr(target, part):
@@ -92,7 +93,7 @@ def load_callable(text: str) -> Any:
     try:
         dataset = target()
     except Exception as exc:
-        raise UserError(f"--dataset {text}: calling it raised {_one_line(exc)}") from None
+        raise UserError(f"--dataset {text}: calling it raised {one_line(exc)}") from None
     return check_dataset(dataset, f"--dataset {text}")
 
 
@@ -137,8 +138,3 @@ def describe(dataset: Any) -> dict[str, Any]:
         info["sample_cost_ms"] = dataset.sample_cost_ms
         info["sample_bytes"] = dataset.sample_bytes
     return info
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -294,7 +294,8 @@ def _measure(conn: connection.Connection, dataset: Any, cfg: LoaderConfig, plan:
     return result
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: type, first line and (for a DataLoader worker's) the original error."""
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     # A worker's exception arrives as "Caught X in DataLoader worker process 0.\nOriginal Traceback..."
     # whose last line is the original error: keep the first and the last line.
@@ -367,7 +368,7 @@ def measure(dataset: Any, cfg: LoaderConfig, plan: Plan) -> dict[str, Any]:
             sender.send(("done", _measure(sender, dataset, cfg, plan)))
         except BaseException as exc:
             with contextlib.suppress(BaseException):
-                sender.send(("error", _one_line(exc)))
+                sender.send(("error", one_line(exc)))
         finally:
             os._exit(0)  # skip atexit and worker joins: the parent kills the group
     sender.close()

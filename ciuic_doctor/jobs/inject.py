@@ -99,13 +99,14 @@ class Injections:
                     return
 
 
-def _step(text: str, what: str) -> int:
+def _whole(text: str, what: str, *, name: str = "step", first: int = 1) -> int:
+    """A step (counted from 1) or a rank (`name="rank", first=0`) of an --inject item; UserError if not."""
     try:
         value = int(text)
     except ValueError:
-        raise UserError(f"--inject {what}: step {text!r} is not a whole number") from None
-    if value < 1:
-        raise UserError(f"--inject {what}: steps count from 1, got {value}")
+        raise UserError(f"--inject {what}: {name} {text!r} is not a whole number") from None
+    if value < first:
+        raise UserError(f"--inject {what}: {name}s count from {first}, got {value}")
     return value
 
 
@@ -134,21 +135,15 @@ def parse_injections(items: list[str] | None) -> Injections:
         elif kind == "spike":
             if not tail:
                 raise UserError(f"--inject {item}: expected spike=<step>:<lr factor>")
-            inj.spikes[_step(head, item)] = _number(tail, item)
+            inj.spikes[_whole(head, item)] = _number(tail, item)
         elif kind == "overflow":
-            first = _step(head, item)
-            count = _step(tail, item) if tail else 1
+            first = _whole(head, item)
+            count = _whole(tail, item) if tail else 1
             inj.overflow_steps.update(range(first, first + count))
         elif kind == "slow-rank":
             if not tail:
                 raise UserError(f"--inject {item}: expected slow-rank=<rank>:<ms>")
-            try:
-                rank = int(head)
-            except ValueError:
-                raise UserError(f"--inject {item}: rank {head!r} is not a whole number") from None
-            if rank < 0:
-                raise UserError(f"--inject {item}: ranks count from 0, got {rank}")
-            inj.slow_ranks[rank] = _number(tail, item)
+            inj.slow_ranks[_whole(head, item, name="rank", first=0)] = _number(tail, item)
         else:
-            inj.desync_step = _step(value, item)
+            inj.desync_step = _whole(value, item)
     return inj

@@ -60,6 +60,20 @@ def torchrun(
 
 
 @pytest.fixture
+def sleeper():
+    """A real child process that idles (up to 120 s) until the test ends; it is killed afterwards."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.readline()
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
 def cli():
     return run_cli
 

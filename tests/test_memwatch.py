@@ -254,19 +254,6 @@ def test_copy_on_read_worker_growth_found(job_findings):
     assert growth["evidence"]["pattern"] == "copy_on_read"
 
 
-@pytest.fixture
-def sleeper():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.readline()
-    yield proc
-    proc.kill()
-    proc.wait()
-
-
 NO_TORCH = textwrap.dedent(
     """
     import json, sys

@@ -4,7 +4,6 @@ a stand-in `pynvml` module shaped like the real one (no GPU here; the real path 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -86,19 +85,6 @@ def test_init_failure_keeps_the_reason(monkeypatch):
     handle = nvml.Nvml.open()
     assert not handle.available
     assert "Driver Not Loaded" in handle.reason
-
-
-@pytest.fixture
-def sleeper():
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    proc.stdout.readline()
-    yield proc
-    proc.kill()
-    proc.wait()
 
 
 def _watch_with(monkeypatch, tmp_path, fake) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -408,7 +409,9 @@ TORCHRUN_RANK = textwrap.dedent(
     if worker == 0:
         time.sleep(float(sys.argv[1]) + 1)
         os._exit(0)
-    print("rank", os.environ["RANK"], os.getpid(), worker, flush=True)
+    # One write(2) per line: two ranks share the pipe, and print() under -u writes each field apart,
+    # so their fields could interleave into a three-field line.
+    os.write(1, f"rank {os.environ['RANK']} {os.getpid()} {worker}\\n".encode())
     time.sleep(float(sys.argv[1]))
     os.kill(worker, 9)
     """
@@ -429,8 +432,13 @@ def test_torchrun_agent_ranks_and_workers(tmp_path):
         env={**env, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        lines = [agent.stdout.readline().split() for _ in range(2)]
-        ranks = {int(rank): (int(pid), int(worker)) for _, rank, pid, worker in (line[-4:] for line in lines)}
+        ranks: dict[int, tuple[int, int]] = {}
+        while len(ranks) < 2:  # torchrun may print lines of its own; keep only the ranks'
+            line = agent.stdout.readline()
+            assert line, "torchrun exited before both ranks reported"
+            if match := re.search(r"rank (\d+) (\d+) (\d+)$", line.strip()):
+                rank, pid, worker = map(int, match.groups())
+                ranks[rank] = (pid, worker)
         result = run_cli(
             "memwatch", "--pid", str(agent.pid), "--interval", "0.2", "--out", str(tmp_path / "run")
         )

@@ -50,7 +50,7 @@ class BatchSection:
 @dataclass(kw_only=True)
 class OptimSection:
     name: str = "adamw"
-    base_lr: float = 3e-4
+    base_lr: float = 1e-2  # as jobs/default.toml
     lr_scaling: str = "sqrt"
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

@@ -83,7 +83,7 @@ def effective_lr(spec: JobSpec, world: int) -> tuple[float, int]:
     >>> from ciuic_doctor.jobs.spec import load_spec, with_updates
     >>> spec = with_updates(load_spec(), {"batch.per_process": 64, "batch.reference": 256})
     >>> effective_lr(spec, 16)  # 64 x 16 = 1024 = 4 x 256: sqrt rule doubles the LR
-    (0.0006, 1024)
+    (0.02, 1024)
     """
     global_batch = spec.batch.per_process * spec.batch.grad_accum * world
     ratio = global_batch / spec.batch.reference

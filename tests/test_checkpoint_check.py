@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import re
+import shutil
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +16,7 @@ import torch
 from conftest import run_cli, torchrun
 
 from ciuic_doctor.analysis.checkpoint import analyze
+from ciuic_doctor.report import build_report
 from ciuic_doctor.store import RunDir
 
 FP16_SPEC = """
@@ -231,3 +234,32 @@ def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_report_tables_show_each_rank_each_load_method_and_each_resumed_variant(drop_run, tmp_path):
+    """The report's checkpoint section from the real 2-rank run: the analysis's figures, in tables."""
+    run = tmp_path / "run"
+    shutil.copytree(drop_run.run, run, ignore=shutil.ignore_patterns("*.pt", "checkpoints"))
+    build_report(RunDir.open(run))
+    html = (run / "report.html").read_text()
+    section = html[html.index('id="checkpoint"') :]
+    tables = {
+        re.sub(r" \(\d+ rows?\)$", "", title): body
+        for title, body in re.findall(r"<summary>([^<]*)</summary>(.*?)</table>", section, re.S)
+    }
+    per_rank = next(body for title, body in tables.items() if title.startswith("Save and load per rank"))
+    assert len(re.findall(r"<tr>", per_rank)) == 1 + 2  # header + ranks 0 and 1
+    both = next(body for title, body in tables.items() if title.startswith("Two ways to load"))
+    assert re.findall(r"<tr><td[^>]*>([^<]*)</td>", both) == [
+        "every rank reads the file",
+        "rank 0 reads + broadcast",
+    ]
+    resume = next(body for title, body in tables.items() if title.startswith("Resume against"))
+    verdicts = dict(re.findall(r"<tr><td[^>]*>([^<]*)</td><td[^>]*>([^<]*)</td>", resume))
+    assert verdicts["as saved"] == "pass"
+    assert verdicts["without sampler"] == "fail"  # the data order changes the next loss
+    assert set(verdicts) == {"as saved", *(f"without {name}" for name in DROPS)}
+    contents = next(body for title, body in tables.items() if title.startswith("What "))
+    status = dict(re.findall(r"<tr><td[^>]*>([^<]*)</td><td[^>]*>([^<]*)</td>", contents))
+    assert status["optimizer"] == "present"
+    assert status["scaler"] == "present"  # fp16: GradScaler's state was saved

@@ -335,7 +335,7 @@ def loader_content(section: Section, records: list[dict[str, Any]], findings: Se
 
 
 def generic_content(section: Section, records: list[dict[str, Any]]) -> None:
-    """A plain table of a stream's records (the checkpoint stream), skipping the bookkeeping fields."""
+    """A plain table of a stream's records (checkpoint records of no known kind), less bookkeeping."""
     skip = {"schema", "t"}
     keys: list[str] = []
     for r in records:
@@ -398,6 +398,11 @@ def build_sections(
             memory_content(section, streams["steps"], streams["memwatch"], findings)
         elif section.id == "loader":
             loader_content(section, streams["loader"], findings)
+        elif section.id == "checkpoint":
+            # Imported here: checkpoint_section builds on this module's Section and Table.
+            from ciuic_doctor.report.checkpoint_section import checkpoint_content
+
+            checkpoint_content(section, streams["checkpoint"], section.findings)
         else:
             generic_content(section, streams.get(section.streams[0], []))
     return sections

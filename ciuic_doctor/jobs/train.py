@@ -274,10 +274,34 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self.step = int(state["step"])
         self.micro_batches = int(state["micro_batches"])
+        self._iterator = None  # the next batch comes from the restored position (workers are reused)
+
+    def stop_workers(self) -> None:
+        """Stop the DataLoader's worker processes now, and wait for its queue threads to end.
+
+        Why not just drop the iterator: its workers would then stop in `__del__`, at a moment nobody
+        chooses, and its index queues' feeder threads end a little later still. If the next DataLoader
+        forks its workers while such a thread is exiting, CPython 3.11's child can inherit the thread-list
+        lock held and hang in `os.fork()` forever. checkpoint-check, which builds a trainer per resume
+        variant, hung that way in 1 run of 9 (the stuck worker's stack ends in
+        PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept).
+        """
+        iterators = {id(it): it for it in (self._iterator, getattr(self.loader, "_iterator", None)) if it}
         self._iterator = None
+        if getattr(self.loader, "_iterator", None) is not None:
+            self.loader._iterator = None  # persistent_workers: the loader keeps its own reference
+        for iterator in iterators.values():
+            shutdown = getattr(iterator, "_shutdown_workers", None)  # the multi-process iterator only
+            if shutdown is None:
+                continue
+            shutdown()
+            for queue in getattr(iterator, "_index_queues", []):
+                feeder = getattr(queue, "_thread", None)
+                if feeder is not None:
+                    feeder.join(timeout=10)
 
     def close(self) -> None:
-        self._iterator = None  # lets persistent DataLoader workers shut down
+        self.stop_workers()
 
 
 def median_step_s(times: list[float]) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -20,6 +21,31 @@ class Completed:
     stderr: str
 
 
+def _run(argv: list[str], *, timeout: float, env: dict[str, str], cwd: Path | None = None) -> Completed:
+    """Run `argv` to the end; past `timeout`, kill it *and every descendant* and fail with its output.
+
+    subprocess.run's timeout kills only the launcher: its ranks and their DataLoader workers would live
+    on, orphaned, and slow or break every later test.
+    """
+    import psutil
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree += psutil.Process(proc.pid).children(recursive=True)
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                member.kill()
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"timed out after {timeout} s: {' '.join(argv)}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        ) from None
+    return Completed(proc.returncode, stdout, stderr)
+
+
 def run_cli(
     *args: str,
     timeout: float = 120,
@@ -30,18 +56,9 @@ def run_cli(
     """`python -m ciuic_doctor <args>` in a fresh process; returns code and output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("CIUIC_RUN_DIR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "ciuic_doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd,
-        check=False,
-    )
-    result = Completed(proc.returncode, proc.stdout, proc.stderr)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    result = _run([sys.executable, "-m", "ciuic_doctor", *args], timeout=timeout, env=full_env, cwd=cwd)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
     return result
 
 
@@ -51,12 +68,8 @@ def torchrun(
     """`torchrun --standalone --nproc-per-node N -m ciuic_doctor <args>` as a user would type it."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("CIUIC_RUN_DIR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "ciuic_doctor", *args],
-        capture_output=True, text=True, timeout=timeout, env=full_env, check=False,
-    )  # fmt: skip
-    return Completed(proc.returncode, proc.stdout, proc.stderr)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    return _run([*argv, "-m", "ciuic_doctor", *args], timeout=timeout, env=full_env)
 
 
 @pytest.fixture

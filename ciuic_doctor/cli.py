@@ -67,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run_command(argv)
+    # A rank of comm-bench, job or checkpoint-check ends here, skipping interpreter teardown (see why in
+    # exit_rank_process); launch imports no torch, so --help stays light.
+    from ciuic_doctor.launch import exit_rank_process
+
+    exit_rank_process(code)
+    return code
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -11,6 +11,7 @@ every rank write into rank 0's run directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -93,10 +94,13 @@ def describe_failure(exc: Any) -> str:
     return "ranks failed: " + "; ".join(parts) if len(parts) > 1 else f"{parts[0]} failed"
 
 
-def init_distributed(timeout_s: float) -> tuple[int, int, str]:
+_THIS_PROCESS = {"made_process_group": False}  # set by init_distributed: this process is one of our ranks
+
+
+def init_distributed(timeout_s: float, backend: str = "auto") -> tuple[int, int, str]:
     """Initialise the default process group from env:// and return (rank, world_size, backend).
 
-    nccl when CUDA is available (binding the local device eagerly), gloo otherwise.
+    backend "auto": nccl when CUDA is available (binding the local device eagerly), gloo otherwise.
     """
     import datetime
 
@@ -108,11 +112,37 @@ def init_distributed(timeout_s: float) -> tuple[int, int, str]:
         if torch.cuda.is_available():
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
             torch.cuda.set_device(local_rank)
-            kwargs.update(backend="nccl", device_id=torch.device("cuda", local_rank))
-        else:
-            kwargs.update(backend="gloo")
+            if backend in ("auto", "nccl"):
+                kwargs["device_id"] = torch.device("cuda", local_rank)
+        kwargs["backend"] = backend if backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(**kwargs)
+        _THIS_PROCESS["made_process_group"] = True
     return dist.get_rank(), dist.get_world_size(), dist.get_backend()
+
+
+def exit_rank_process(code: int) -> None:
+    """End a rank process that init_distributed set up, now, without Python's interpreter teardown.
+
+    Why: gloo's worker threads free each finished collective, and the Python tensors it holds, on
+    their own schedule, and the group outlives `destroy_process_group()` while anything (a DDP reducer)
+    still holds it. A thread that does so while the interpreter is finalizing cannot take the GIL,
+    and the process aborts: "terminate called without an active exception", SIGABRT, the stack in
+    `pt_gloo_runloop` -> ~AsyncAllgatherWork -> take_gil (pytorch/pytorch#179291). checkpoint-check's
+    rank 1, which leaves right after an all_gather_object while rank 0 still prints, died that way in 4
+    runs of 24, after every record was written. So: the atexit handlers run here, while the
+    interpreter is whole (watch's last records, logging, multiprocessing's reaping of DataLoader
+    workers), stdout and stderr are flushed, and the process ends without the teardown. Returns when
+    this process made no process group (a plain command, or a user's script under watch).
+    """
+    if not _THIS_PROCESS["made_process_group"]:
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # CPython's own exit path calls the same function before finalizing
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def agree_on_run_dir(path: Path) -> Path:

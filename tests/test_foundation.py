@@ -207,3 +207,46 @@ def test_env_command_redacts(monkeypatch):
     assert data["env"]["NCCL_DEBUG"] == "INFO"
     assert "abcdefgh" not in result.stdout
     assert os.environ.get("NCCL_TOKEN_X") is None
+
+
+RANK_EXIT = textwrap.dedent(
+    """
+    import atexit, pathlib, sys
+    from ciuic_doctor.launch import exit_rank_process, init_distributed
+
+    if sys.argv[2] == "rank":
+        init_distributed(60)
+    atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text("atexit ran"))
+    sys.stdout.write("buffered line\\n")  # stdout is a pipe: block-buffered until flushed
+    exit_rank_process(7)
+    print("exit_rank_process returned")
+    """
+)
+
+
+@pytest.mark.parametrize("role", ["rank", "plain"])
+def test_a_rank_leaves_without_teardown_but_runs_atexit_and_flushes(tmp_path, role):
+    """A process that made a process group ends inside exit_rank_process with the given code, its atexit
+    handlers run and its buffered output kept; any other process gets control back."""
+    marker = tmp_path / "marker"
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0"}
+    env.update(WORLD_SIZE="1", LOCAL_RANK="0")
+    env.pop("PYTHONUNBUFFERED", None)
+    argv = [sys.executable, "-c", RANK_EXIT, str(marker), role]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert "buffered line" in proc.stdout
+    if role == "rank":
+        assert proc.returncode == 7, proc.stderr
+        assert marker.read_text() == "atexit ran"
+        assert "returned" not in proc.stdout
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert "exit_rank_process returned" in proc.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -62,17 +62,7 @@ def setup_distributed(spec: JobSpec) -> World:
     # The spec's NCCL_* / other env must be in place before the process group exists.
     os.environ.update(spec.distributed.env)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if spec.distributed.backend == "auto" or dist.is_initialized():
-        rank, world, backend = init_distributed(spec.distributed.timeout_s)
-    else:
-        import datetime
-
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group(
-            backend=spec.distributed.backend, timeout=datetime.timedelta(seconds=spec.distributed.timeout_s)
-        )
-        rank, world, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    rank, world, backend = init_distributed(spec.distributed.timeout_s, spec.distributed.backend)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return World(rank=rank, world=world, local_rank=local_rank, backend=backend, device=device)
 

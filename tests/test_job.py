@@ -211,3 +211,37 @@ def test_resume_continues_with_the_same_loss_bit_for_bit(tmp_path):
     assert sorted(b) == [(rank, step) for rank in (0, 1) for step in (4, 5)]
     for key, values in b.items():
         assert values == a[key], key
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_epochs_roll_over_with_worker_processes_stopped_or_reused(persistent, monkeypatch):
+    """Past an epoch's end the next batch comes from the next epoch. Without persistent_workers the old
+    workers are stopped before new ones are forked, so worker processes never pile up; with it, the
+    same workers serve every epoch."""
+    import psutil
+
+    from ciuic_doctor.jobs import data, train
+    from ciuic_doctor.jobs.inject import Injections
+    from ciuic_doctor.jobs.spec import load_spec, with_updates
+
+    def small_loader(spec, rank, world):  # 32 samples: an epoch is 4 steps of 8 on one rank
+        return data.make_loader(spec, rank, world, dataset=data.dataset_from_spec(spec, num_samples=32))
+
+    monkeypatch.setattr(train, "make_loader", small_loader)
+    spec = with_updates(
+        load_spec(), {"dataloader.num_workers": 1, "dataloader.persistent_workers": persistent}
+    )
+    trainer = train.Trainer(spec, train.World(), total_steps=10, injections=Injections())
+    me = psutil.Process()
+    workers_seen: set[int] = set()
+    try:
+        for _ in range(10):  # 2.5 epochs: two roll-overs
+            trainer.train_step()
+            alive = [child.pid for child in me.children() if child.is_running()]
+            assert len(alive) <= 1, alive  # one worker at a time
+            workers_seen.update(alive)
+        assert trainer.data_position() == (2, 2 * 8)
+    finally:
+        trainer.close()
+    assert len(workers_seen) == (1 if persistent else 3)
+    assert [child for child in me.children() if child.pid in workers_seen] == []  # close() stopped them

@@ -180,8 +180,11 @@ class Trainer:
             try:
                 batch = next(self._iterator)
                 break
-            except StopIteration:
-                self._iterator = None  # next epoch: data_position() moves on
+            except StopIteration:  # next epoch: data_position() moves on
+                if self.loader.persistent_workers:
+                    self._iterator = None  # the loader resets its workers for the next epoch
+                else:
+                    self.stop_workers()  # the next epoch forks new ones: see stop_workers
         self.micro_batches += 1
         return batch.to(self.world.device, non_blocking=self.loader.pin_memory)
 

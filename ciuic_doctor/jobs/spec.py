@@ -71,6 +71,7 @@ class DataLoaderSection:
     prefetch_factor: int | None = 2
     pin_memory: bool = False
     persistent_workers: bool = True
+    multiprocessing_context: str = "forkserver"  # as jobs/default.toml explains
 
 
 @dataclass(kw_only=True)
@@ -119,6 +120,7 @@ _ENUMS = {
     ("optim", "lr_scaling"): ("sqrt", "linear", "none"),
     ("precision", "mode"): ("fp32", "bf16", "fp16"),
     ("distributed", "backend"): ("auto", "nccl", "gloo"),
+    ("dataloader", "multiprocessing_context"): ("forkserver", "spawn", "fork"),
 }
 
 

@@ -273,11 +273,11 @@ class Trainer:
         """Stop the DataLoader's worker processes now, and wait for its queue threads to end.
 
         Why not just drop the iterator: its workers would then stop in `__del__`, at a moment nobody
-        chooses, and its index queues' feeder threads end a little later still. If the next DataLoader
-        forks its workers while such a thread is exiting, CPython 3.11's child can inherit the thread-list
-        lock held and hang in `os.fork()` forever. checkpoint-check, which builds a trainer per resume
-        variant, hung that way in 1 run of 9 (the stuck worker's stack ends in
-        PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept).
+        chooses, and its index queues' feeder threads end later still. With multiprocessing_context
+        "fork", a new DataLoader forking while such a thread exits can hand its child CPython 3.11's
+        thread-list lock held, and the child hangs in `os.fork()` (its stack ends in
+        PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept); checkpoint-check, which builds a trainer
+        per resume variant, hung so. Stopping here also frees the workers' memory when close() says so.
         """
         iterators = {id(it): it for it in (self._iterator, getattr(self.loader, "_iterator", None)) if it}
         self._iterator = None

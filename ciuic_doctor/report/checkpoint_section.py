@@ -9,6 +9,7 @@ tools or older versions (no `kind`) fall back to a plain table of the records.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.analysis.checkpoint import cost_figures
@@ -69,15 +70,15 @@ def _cost_tables(section: Section, figures: dict[str, Any]) -> None:
         repeats = figures.get("repeats") or 0
         section.tables.append(
             Table(
-                title=f"Save and load per rank (median of {repeats} repetition(s); ms)",
+                title=f"Save and load per rank (median of {repeats} repetition{'' if repeats == 1 else 's'})",
                 headers=[
                     "rank",
                     "save ms",
                     "barrier wait ms",
-                    "load ms (every rank reads)",
-                    "load ms (rank 0 + broadcast)",
-                    "peak RSS (every rank)",
-                    "peak RSS (rank 0 + broadcast)",
+                    "load ms, each reads",
+                    "load ms, rank 0 + bcast",
+                    "peak RSS, each reads",
+                    "peak RSS, rank 0 + bcast",
                 ],
                 rows=[
                     [
@@ -173,7 +174,7 @@ def _contents_table(section: Section, record: dict[str, Any]) -> None:
         if state not in present and state not in empty and state not in missing:
             rows.append([_text(state), _text("not needed here"), _text(why)])
     if rows:
-        where = record.get("path") or "the checkpoint"
+        where = Path(str(record["path"])).name if record.get("path") else "the checkpoint"
         section.tables.append(
             Table(
                 title=f"What {where} holds ({record.get('role') or 'file'})",

@@ -129,7 +129,7 @@ def exit_rank_process(code: int) -> None:
     and the process aborts: "terminate called without an active exception", SIGABRT, the stack in
     `pt_gloo_runloop` -> ~AsyncAllgatherWork -> take_gil (pytorch/pytorch#179291). checkpoint-check's
     rank 1, which leaves right after an all_gather_object while rank 0 still prints, died that way in 4
-    runs of 24, after every record was written. So: the atexit handlers run here, while the
+    runs of 25, after every record was written. So: the atexit handlers run here, while the
     interpreter is whole (watch's last records, logging, multiprocessing's reaping of DataLoader
     workers), stdout and stderr are flushed, and the process ends without the teardown. Returns when
     this process made no process group (a plain command, or a user's script under watch).

@@ -14,9 +14,8 @@ from typing import Any
 
 from ciuic_doctor.analysis.checkpoint import cost_figures
 from ciuic_doctor.findings import Finding
-from ciuic_doctor.report.sections import Section, Table, generic_content
+from ciuic_doctor.report.sections import Section, Table, bytes_cell, generic_content
 from ciuic_doctor.store import as_float
-from ciuic_doctor.units import format_bytes
 
 _MISSING = ("—", "")
 KNOWN_KINDS = {"config", "save", "load", "resume", "inspect"}
@@ -51,11 +50,6 @@ def _seconds(value: Any) -> tuple[str, Any]:
     return (f"{number * 1000:.1f}" if number < 1 else f"{number * 1000:,.0f}", number)
 
 
-def _bytes(value: Any) -> tuple[str, Any]:
-    number = as_float(value)
-    return (format_bytes(number), number) if number is not None else _MISSING
-
-
 def _text(value: Any) -> tuple[str, Any]:
     if value is None or value == []:
         return _MISSING
@@ -87,8 +81,8 @@ def _cost_tables(section: Section, figures: dict[str, Any]) -> None:
                         _seconds(row.get("barrier_wait_s")),
                         _seconds(row.get("load_s")),
                         _seconds(row.get("broadcast_load_s")),
-                        _bytes(row.get("peak_load_rss_bytes")),
-                        _bytes(row.get("broadcast_peak_rss_bytes")),
+                        bytes_cell(row.get("peak_load_rss_bytes")),
+                        bytes_cell(row.get("broadcast_peak_rss_bytes")),
                     ]
                     for row in per_rank
                 ],
@@ -97,23 +91,28 @@ def _cost_tables(section: Section, figures: dict[str, Any]) -> None:
         )
     if figures.get("load_s") is not None or figures.get("broadcast_load_s") is not None:
         # The slowest rank per repetition, then the median: every rank waits for the slowest to go on.
-        methods = [
-            ("every rank reads the file", ""),
-            ("rank 0 reads + broadcast", "broadcast_"),
-        ]
+        methods = {  # shown name: the cost_figures keys of (time, peak RSS, RSS added, tensors held)
+            "every rank reads the file": (
+                "load_s",
+                "peak_load_rss_bytes",
+                "load_rss_delta_bytes",
+                "load_held_bytes",
+            ),
+            "rank 0 reads + broadcast": (
+                "broadcast_load_s",
+                "broadcast_peak_rss_bytes",
+                "broadcast_rss_delta_bytes",
+                "broadcast_held_bytes",
+            ),
+        }
         section.tables.append(
             Table(
                 title="Two ways to load, side by side (slowest rank; RSS on the worst rank)",
                 headers=["method", "load ms", "peak RSS", "RSS added", "tensors held"],
                 rows=[
-                    [
-                        _text(name),
-                        _seconds(figures.get(f"{prefix}load_s")),
-                        _bytes(figures.get(f"{prefix}peak_rss_bytes" if prefix else "peak_load_rss_bytes")),
-                        _bytes(figures.get(f"{prefix}rss_delta_bytes" if prefix else "load_rss_delta_bytes")),
-                        _bytes(figures.get(f"{prefix}held_bytes" if prefix else "load_held_bytes")),
-                    ]
-                    for name, prefix in methods
+                    [_text(name), _seconds(figures.get(time_key))]
+                    + [bytes_cell(figures.get(key)) for key in byte_keys]
+                    for name, (time_key, *byte_keys) in methods.items()
                 ],
                 numeric=[1, 2, 3, 4],
             )

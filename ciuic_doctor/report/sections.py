@@ -119,7 +119,7 @@ def _size_cell(n: Any) -> tuple[str, Any]:
     return (format_size_short(n), n) if isinstance(n, int) else _cell(n)
 
 
-def _mb_cell(n: Any) -> tuple[str, Any]:
+def bytes_cell(n: Any) -> tuple[str, Any]:
     value = as_float(n)
     return (format_bytes(value), value) if value is not None else ("—", "")
 
@@ -220,7 +220,7 @@ def job_content(section: Section, steps: list[dict[str, Any]]) -> None:
                 _cell(max(times) * 1e3 if times else None, ".1f"),
                 _cell(losses[-1] if losses else None, ".4g"),
                 _cell(sum(1 for r in rs if r.get("skipped"))),
-                _mb_cell(max(rss) if rss else None),
+                bytes_cell(max(rss) if rss else None),
             ]
         )
     if rows:
@@ -267,10 +267,10 @@ def memory_content(
             [
                 _cell(role),
                 _cell(len(ss)),
-                _mb_cell(rss[0] if rss else None),
-                _mb_cell(rss[-1] if rss else None),
-                _mb_cell(max(rss) if rss else None),
-                _mb_cell(uss[-1] if uss else None),
+                bytes_cell(rss[0] if rss else None),
+                bytes_cell(rss[-1] if rss else None),
+                bytes_cell(max(rss) if rss else None),
+                bytes_cell(uss[-1] if uss else None),
             ]
         )
     if rows:

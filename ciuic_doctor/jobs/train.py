@@ -279,19 +279,19 @@ class Trainer:
         PyOS_AfterFork_Child -> _PyThreadState_DeleteExcept); checkpoint-check, which builds a trainer
         per resume variant, hung so. Stopping here also frees the workers' memory when close() says so.
         """
-        iterators = {id(it): it for it in (self._iterator, getattr(self.loader, "_iterator", None)) if it}
+        # With persistent_workers the loader keeps the same iterator as its own `_iterator`.
+        iterator = self._iterator or getattr(self.loader, "_iterator", None)
         self._iterator = None
         if getattr(self.loader, "_iterator", None) is not None:
-            self.loader._iterator = None  # persistent_workers: the loader keeps its own reference
-        for iterator in iterators.values():
-            shutdown = getattr(iterator, "_shutdown_workers", None)  # the multi-process iterator only
-            if shutdown is None:
-                continue
-            shutdown()
-            for queue in getattr(iterator, "_index_queues", []):
-                feeder = getattr(queue, "_thread", None)
-                if feeder is not None:
-                    feeder.join(timeout=10)
+            self.loader._iterator = None
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # the multi-process iterator only
+        if shutdown is None:
+            return
+        shutdown()
+        for queue in getattr(iterator, "_index_queues", []):
+            feeder = getattr(queue, "_thread", None)
+            if feeder is not None:
+                feeder.join(timeout=10)
 
     def close(self) -> None:
         self.stop_workers()

@@ -8,10 +8,21 @@ Semantics this reads against (shared/reference/training-logs.md):
   gradients allow. After it, PyTorch expects skips "once every few hundred or thousand iterations" (each
   growth attempt that overflows). Many skips in a short window after calibration is a storm; a scale that
   reaches the floor (or goes below 1 for GradScaler) has collapsed and the run no longer trains.
+- The configured window W and hysteresis h set what "rare" means: after W clean steps the scaler doubles
+  the scale to probe, and a probe that overflows costs up to h skips (hysteresis h lets h − 1 overflows pass
+  without lowering the scale). So a healthy scaler at its ceiling skips about h per W steps: DeepSpeed-Chat's
+  window 100 with hysteresis 2 gives 2 skips every ~100 steps (2 %), which is the scaler working as
+  configured, not fp16 struggling. The skip rate and the storm threshold are judged against h / W.
+
+`scaler_config` takes W, h, the floor and the initial scale from the log where it prints them (the
+importers' StepLog.scaler), else infers W and h from the skip pattern (the size of each burst of skips
+after calibration, and the spacing of bursts while the scale they leave stays level: a probing scaler),
+else takes the framework's defaults; the evidence says which.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -26,6 +37,39 @@ class ScalerRule:
     max_calibration_skips: int = 64  # 2**32 down to 1 with hysteresis 2 takes 64 skips at most
     lr_peak_fraction: float = 0.9
     frequent_skip_rate: float = 0.01  # after calibration, more than 1 step in 100 skipped: fp16 is struggling
+    configured_rate_margin: float = 2.0  # ... or more than twice the h / W a probing scaler skips
+
+
+# Defaults of each framework's dynamic scaler (shared/reference/training-logs.md).
+DEFAULTS = {
+    "gradscaler": {"window_steps": 2000, "hysteresis": 1, "initial_scale": 2.0**16, "min_scale": None},
+    "megatron": {"window_steps": 1000, "hysteresis": 2, "initial_scale": 2.0**32, "min_scale": 1.0},
+    "deepspeed": {"window_steps": 1000, "hysteresis": 2, "initial_scale": 2.0**16, "min_scale": 1.0},
+}
+MIN_BURSTS_TO_INFER = 4  # bursts after calibration needed before their spacing says what the window is
+
+
+@dataclass(kw_only=True)
+class ScalerConfig:
+    window_steps: int
+    hysteresis: int
+    initial_scale: float | None
+    min_scale: float | None
+    source: dict[str, str]  # per field: "log" | "inferred" | "default"
+
+    @property
+    def skips_per_step(self) -> float:
+        """What a scaler probing at its ceiling skips: h per W steps."""
+        return self.hysteresis / max(1, self.window_steps)
+
+    def to_evidence(self) -> dict:
+        return {
+            "window_steps": self.window_steps,
+            "hysteresis": self.hysteresis,
+            "initial_scale": self.initial_scale,
+            "min_scale": self.min_scale,
+            "source": dict(self.source),
+        }
 
 
 @dataclass(kw_only=True)
@@ -56,6 +100,8 @@ class ScalerReport:
     overflows_near_lr_peak: bool = False
     floor: float | None = None
     lowest_scale: float | None = None
+    config: ScalerConfig | None = None
+    storm_skips: int = 5  # the storm threshold used (raised for a short window or a high hysteresis)
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -132,23 +178,37 @@ def analyse_scaler(
     fatal_steps: list[int],
     steps_known: bool = True,
     rule: ScalerRule | None = None,
+    framework: str | None = None,
+    printed: dict | None = None,
 ) -> ScalerReport:
-    """Everything the loss_scaler, overflow_storm and scale_collapse checks report."""
+    """Everything the loss_scaler, overflow_storm and scale_collapse checks report. `printed` is the
+    configuration the log printed (StepLog.scaler), `framework` picks the defaults for what it did not."""
     rule = rule or ScalerRule()
+    printed = printed or {}
     finite_scale = scale[np.isfinite(scale)]
     uses = bool((finite_scale > 1).any() or fatal_steps or (skipped.sum() > 0 and not len(finite_scale)))
+    if printed.get("min_scale") is not None:
+        floor = float(printed["min_scale"])
     report = ScalerReport(uses_scaler=uses, floor=floor, skipped_total=int(skipped.sum()))
     if not uses:
         return report
-    report.initial_scale = _finite_or_none(finite_scale[0]) if len(finite_scale) else None
     report.lowest_scale = _finite_or_none(finite_scale.min()) if len(finite_scale) else None
     report.calibration_steps, report.calibration_skipped = calibration(step, skipped, interval, rule)
     after = step > report.calibration_steps
+    report.config = scaler_config(step, skipped, scale, after, printed=printed, framework=framework)
+    shown = printed.get("initial_scale")
+    report.initial_scale = (
+        float(shown) if shown is not None else _finite_or_none(finite_scale[0]) if len(finite_scale) else None
+    )
     report.skipped_after_calibration = int(skipped[after].sum())
     report.steps_after_calibration = int(interval[after].sum())
+    # A storm is more than a probing scaler skips in the window: h per W steps, twice over, plus one.
+    probes = math.ceil(rule.storm_window_steps / report.config.window_steps)
+    report.storm_skips = max(rule.storm_skips, 2 * report.config.hysteresis * probes + 1)
     if steps_known:
+        storm_rule = ScalerRule(**{**rule.__dict__, "storm_skips": report.storm_skips})
         report.storms = find_storms(
-            step, skipped, scale=scale, lr=lr, after=report.calibration_steps, rule=rule
+            step, skipped, scale=scale, lr=lr, after=report.calibration_steps, rule=storm_rule
         )
     _collapse(report, step, skipped, scale, floor=floor, fatal_steps=fatal_steps)
     steady = scale[after & np.isfinite(scale) & (scale > 0)]
@@ -156,8 +216,56 @@ def analyse_scaler(
         steady = scale[after & np.isfinite(scale) & (scale > 0) & (step < report.collapse_step)]
     if len(steady):
         report.steady_scale = float(2.0 ** math.floor(math.log2(float(np.median(steady)))))
-    report.overflows_near_lr_peak = _near_lr_peak(step, skipped, lr, after, rule)
+    report.overflows_near_lr_peak = _near_lr_peak(step, skipped, lr, after, rule, least=report.storm_skips)
     return report
+
+
+def scaler_config(step, skipped, scale, after, *, printed: dict, framework: str | None) -> ScalerConfig:
+    """Window and hysteresis as printed, else inferred from the skip pattern, else the framework's
+    defaults (DeepSpeed's for a log that does not say whose scaler it is)."""
+    defaults = DEFAULTS.get(framework or "", DEFAULTS["deepspeed"])
+    source: dict[str, str] = {}
+    values: dict = {}
+    inferred = _inferred(step, skipped, scale, after)
+    for key in ("window_steps", "hysteresis", "initial_scale", "min_scale"):
+        if printed.get(key) is not None:
+            values[key], source[key] = printed[key], "log"
+        elif inferred.get(key) is not None:
+            values[key], source[key] = inferred[key], "inferred"
+        else:
+            values[key], source[key] = defaults[key], "default"
+    return ScalerConfig(
+        window_steps=max(1, int(values["window_steps"])),
+        hysteresis=max(1, int(values["hysteresis"])),
+        initial_scale=values["initial_scale"],
+        min_scale=values["min_scale"],
+        source=source,
+    )
+
+
+def _inferred(step, skipped, scale, after) -> dict:
+    """Hysteresis: the median size of a burst of skips after calibration (skipped rows ≤ 2 rows apart).
+    Window: the lower quartile of the steps between bursts, when there are MIN_BURSTS_TO_INFER of them and
+    the scale each leaves stays level (a probing scaler returns to the same scale; a struggling one keeps
+    falling, and its spacing says nothing about the window)."""
+    rows = np.flatnonzero(after & (skipped > 0))
+    if len(rows) < MIN_BURSTS_TO_INFER:
+        return {}
+    cuts = np.flatnonzero(np.diff(rows) > 2) + 1
+    bursts = np.split(rows, cuts)
+    if len(bursts) < MIN_BURSTS_TO_INFER:
+        return {}
+    sizes = [int(skipped[b].sum()) for b in bursts]
+    out: dict = {"hysteresis": int(np.median(sizes))}
+    left = [float(np.nanmin(scale[b])) if np.isfinite(scale[b]).any() else math.nan for b in bursts]
+    left = np.asarray(left)
+    left = left[np.isfinite(left) & (left > 0)]
+    half = len(left) // 2
+    level = len(left) >= MIN_BURSTS_TO_INFER and np.median(left[half:]) >= np.median(left[:half]) / 2
+    if level:
+        gaps = [int(step[b[0]] - step[a[-1]]) for a, b in itertools.pairwise(bursts)]
+        out["window_steps"] = int(np.quantile(gaps, 0.25))
+    return out
 
 
 def _collapse(
@@ -183,10 +291,11 @@ def _collapse(
             report.collapse_scale = report.collapse_scale if report.collapse_scale is not None else floor
 
 
-def _near_lr_peak(step, skipped, lr, after, rule: ScalerRule) -> bool:
-    """Skips after calibration crowd where the LR is within 10 % of its peak, more than time spent there."""
+def _near_lr_peak(step, skipped, lr, after, rule: ScalerRule, *, least: int) -> bool:
+    """Skips after calibration crowd where the LR is within 10 % of its peak, more than time spent there;
+    judged only on as many skips as make a storm (`least`): two skips near the peak are a coincidence."""
     finite = np.isfinite(lr)
-    if not finite.any() or skipped[after].sum() < 2:
+    if not finite.any() or skipped[after].sum() < least:
         return False
     peak = np.nanmax(lr)
     if not peak > 0:

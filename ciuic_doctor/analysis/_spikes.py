@@ -18,7 +18,16 @@ its own neighbourhood, in log space (where noise proportional to the level has o
 A spike starts at the first point over the line; the baseline is then frozen and the spike lasts until the
 curve is back within 3σ of it (recovered_after_steps) or the data ends (not recovered). While a spike has
 not recovered, a fresh jump over the line (the point before it was not over) of at least 25 % is a spike of
-its own; a loss that ramps up stays one spike. The first 16 points have no σ and are not judged.
+its own; a loss that ramps up stays one spike.
+
+Printed precision and size: a rise must also be at least QUANTUM_MARGIN quanta of the log's printed
+precision (`quantum_of`: HF rounds losses to 4 places, so 0.0001 -> 0.0002 is one quantum, not a 2× spike)
+and, for a loss, at least LOSS_MIN_ABS_RISE nats (a rise smaller than that changes nothing in training).
+
+Short logs and the first points: the rolling σ needs 16 points; before them (and in a log shorter than the
+window) σ is the same robust estimate over the whole log, and the baseline is the median of the points
+before (at least 2), so a spike at the third logged point is seen (Megatron-DeepSpeed's 12.4 -> 41 at
+iteration 3). Fewer than MIN_POINTS points cannot be judged at all (the caller says not_run).
 
 OLMo-core's StabilityMonitor also draws its line at 6σ, but of raw values around a mean of the 128
 before, which a trend inflates and warm-up leaves unjudged (benchmarks/stability_rules.py compares them).
@@ -36,6 +45,10 @@ ROBUST_SIGMA = 1.4826 / math.sqrt(2)  # MAD -> σ for a Gaussian, and Δ of two 
 NESTED_MIN_RISE = 0.25  # a second spike on top of one still up
 SLOW_SPIKE_Z = 3.0  # the 8 points after sit this many σ above the 8 before: a spike still up, not noise
 WINSOR = 3.0  # |Δ| capped at 3× its median = 2.02 σ_Δ (median |Z| is 0.6745)
+MIN_POINTS = 8  # below this a log has no noise level to speak of: not judged
+MIN_BEFORE = 2  # a point is judged against the median of at least 2 points before it
+QUANTUM_MARGIN = 5  # a rise of a few printed quanta is rounding, not a spike
+LOSS_MIN_ABS_RISE = 0.01  # nats: 5 % of a loss of 0.2; below it a "spike" moves nothing
 
 
 def _capped_second_moment(a: float) -> float:
@@ -57,9 +70,10 @@ class SpikeRule:
     min_history: int = 16
     recover_z: float = 3.0
     relative: bool = True  # threshold on x/b − 1 (loss) or on log x − log b (grad norm)
+    min_abs_rise: float = 0.0  # in the series' units: the rise must be at least this big as well
 
 
-LOSS_RULE = SpikeRule()
+LOSS_RULE = SpikeRule(min_abs_rise=LOSS_MIN_ABS_RISE)
 GRAD_NORM_RULE = SpikeRule(min_rise=0.5, relative=False)  # noisier and skewed; a spike is ≥ 1.5× baseline
 
 
@@ -106,17 +120,52 @@ def robust_bands(y: np.ndarray, rule: SpikeRule) -> tuple[np.ndarray, np.ndarray
     import pandas as pd
 
     n = len(y)
-    sigma = _noise(pd.Series(y).diff().abs(), rule)
+    steps = pd.Series(y).diff().abs()
+    sigma = _noise(steps, rule)
+    # The first points (and all of a short log) have no rolling σ: the whole log's robust σ stands in.
+    early = np.isnan(sigma)
+    early[rule.min_history :] = False
+    if early.any():
+        known = sigma[np.isfinite(sigma)]
+        sigma[early] = max(_whole_log_sigma(steps.to_numpy()), float(known[0]) if len(known) else 0.0)
     line = threshold_of(sigma, rule)
     with np.errstate(invalid="ignore"):
         maybe = (y - _coarse_level(y)) >= line - 2 * sigma
     maybe[: rule.noise_points] = True  # the steep start: look at every point
-    maybe[: rule.baseline_points] = False
-    maybe &= np.isfinite(sigma)
+    maybe[:MIN_BEFORE] = False
+    maybe &= np.isfinite(sigma) & (sigma > 0)
     at = np.flatnonzero(maybe)
     baseline = np.full(n, np.nan)
     baseline[at] = _baseline_at(y, sigma, at, rule)
     return baseline, sigma, line
+
+
+def _whole_log_sigma(steps: np.ndarray) -> float:
+    """The winsorized RMS σ of _noise over every |Δ log| of the log (NaN-free; 0.0 when there is none)."""
+    finite = steps[np.isfinite(steps)]
+    if not len(finite):
+        return 0.0
+    cap = WINSOR * float(np.median(finite))
+    return float(np.sqrt(np.mean(np.minimum(finite, cap) ** 2) / WINSOR_CORRECTION / 2.0))
+
+
+def quantum_of(values: np.ndarray, sample: int = 4096) -> float:
+    """The printed precision of a series: 10**-d for the most decimals d (≤ 8) its values need, from an
+    even sample of up to 4096 finite values (HF's rounded losses give 1e-4; Megatron's `%E` 1e-6 or finer).
+
+    >>> quantum_of(np.array([0.1234, 2.5, 0.0001]))
+    0.0001
+    """
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        return 0.0
+    if len(finite) > sample:
+        finite = finite[:: len(finite) // sample]
+    for decimals in range(9):
+        scaled = finite * 10.0**decimals
+        if np.all(np.abs(scaled - np.round(scaled)) <= 1e-6 * np.maximum(1.0, np.abs(scaled))):
+            return 10.0**-decimals
+    return 0.0
 
 
 def _coarse_level(y: np.ndarray, size: int = 32) -> np.ndarray:
@@ -138,7 +187,13 @@ def _baseline_at(y: np.ndarray, sigma: np.ndarray, at: np.ndarray, rule: SpikeRu
     n, b = len(y), rule.baseline_points
     if not len(at):
         return np.empty(0)
-    before = np.median(y[at[:, None] + np.arange(-b, 0)], axis=1)
+    if at[0] >= b:
+        before = np.median(y[at[:, None] + np.arange(-b, 0)], axis=1)
+    else:  # the first points: the median of the (at least MIN_BEFORE) points there are before them
+        padded = np.concatenate([np.full(b, np.nan), y])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            before = np.nanmedian(padded[at[:, None] + np.arange(0, b)], axis=1)
     after_idx = np.minimum(at[:, None] + np.arange(1, b + 1), n - 1)
     after = np.median(y[after_idx], axis=1)
     half = 4 * b
@@ -187,18 +242,24 @@ def _block_medians(values: np.ndarray, size: int) -> np.ndarray:
     return np.repeat(medians, size)[:n]
 
 
-def find_spikes(steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RULE) -> list[Spike]:
-    """Upward spikes of a positive series; non-finite and non-positive points are left out."""
+def find_spikes(
+    steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RULE, *, quantum: float = 0.0
+) -> list[Spike]:
+    """Upward spikes of a positive series; non-finite and non-positive points are left out. `quantum` is
+    the log's printed precision (quantum_of): a rise must be QUANTUM_MARGIN of them, and min_abs_rise."""
     ok = np.isfinite(values) & (values > 0)
     s, v = steps[ok], values[ok]
     n = len(v)
-    if n <= rule.min_history:
+    if n < MIN_POINTS:
         return []
     y = np.log(v)
     baseline, sigma, threshold = robust_bands(y, rule)
     floor = math.log1p(rule.min_rise)
+    least = max(rule.min_abs_rise, QUANTUM_MARGIN * quantum)
     with np.errstate(invalid="ignore"):
         over = (y - baseline) >= threshold  # NaN baseline: not over
+        if least > 0:
+            over &= v - np.exp(baseline) >= least
     spikes: list[Spike] = []
     starts: list[int] = []
     next_free = 0
@@ -208,7 +269,7 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RU
         # steep and noisy), is a spike of its own; a ramp is one spike.
         if i < next_free:
             fresh = not over[i - 1] and i - starts[-1] > rule.baseline_points
-            level = float(np.median(y[i - rule.baseline_points : i]))  # where the earlier spike is now
+            level = float(np.median(y[max(0, i - rule.baseline_points) : i]))  # the earlier spike now
             if not fresh or y[i] - level < max(threshold[i], math.log1p(NESTED_MIN_RISE)):
                 continue
         base, noise = baseline[i], sigma[i]
@@ -223,7 +284,7 @@ def find_spikes(steps: np.ndarray, values: np.ndarray, rule: SpikeRule = LOSS_RU
                 peak_step=int(s[peak]),
                 peak=float(v[peak]),
                 baseline=float(math.exp(base)),
-                magnitude=float(math.exp(y[peak] - base)),
+                magnitude=float(math.exp(min(y[peak] - base, 700.0))),  # 1e-300 -> 1e300 stays finite
                 recovered_after_steps=int(s[j] - s[start]) if j < n else None,
                 end_step=int(s[j - 1]),
                 points=int(j - start),
@@ -243,18 +304,29 @@ class Divergence:
     ratio: float
 
 
+SHORT_LOG_POINTS = 64  # below this the blocks shrink to n/8 points (a 62-point log climbing 11.6 -> 20.4)
+DIVERGENCE_MIN_ABS = 0.05  # nats: a loss of 0.0001 that ends at 0.0003 has not diverged
+
+
 def find_divergence(
-    steps: np.ndarray, values: np.ndarray, *, ratio: float = 1.5, tail_fraction: float = 0.05
+    steps: np.ndarray,
+    values: np.ndarray,
+    *,
+    ratio: float = 1.5,
+    tail_fraction: float = 0.05,
+    quantum: float = 0.0,
 ) -> Divergence | None:
-    """The loss ends ≥ `ratio` × its best (smoothed) level and stayed above √ratio × best for the tail.
+    """The loss ends ≥ `ratio` × its best (smoothed) level and stayed above √ratio × best for the tail,
+    and ends at least DIVERGENCE_MIN_ABS (and 10 printed quanta) above that best.
 
     A spike recovers; a divergence does not come back before the log ends. The curve is smoothed as medians
-    of blocks of max(16, n/50) points, so that noise cannot make a best that was never there.
+    of blocks of max(16, n/50) points, so that noise cannot make a best that was never there; a log shorter
+    than SHORT_LOG_POINTS uses 8 blocks of n/8 points (at least 2), so 16 points are enough to judge.
     """
     ok = np.isfinite(values) & (values > 0)
     s, y = steps[ok], np.log(values[ok])
     n = len(y)
-    window = int(min(200, max(16, n // 50)))
+    window = int(min(200, max(16, n // 50))) if n >= SHORT_LOG_POINTS else max(2, n // 8)
     count = n // window
     if count < 4:
         return None
@@ -264,6 +336,8 @@ def find_divergence(
     gap = smooth - best
     tail = -(-max(window, int(n * tail_fraction)) // window)
     if not (gap[-1] >= math.log(ratio) and np.all(gap[-tail:] >= 0.5 * math.log(ratio))):
+        return None
+    if math.exp(smooth[-1]) - math.exp(best[-1]) < max(DIVERGENCE_MIN_ABS, 10 * quantum):
         return None
     low = np.flatnonzero(gap < 0.5 * math.log(ratio))
     last_low = first + (int(low[-1]) + 1) * window - 1 if len(low) else first + window - 1

@@ -15,10 +15,12 @@ from ciuic_doctor.analysis._scaler import ScalerReport, ScalerRule, analyse_scal
 from ciuic_doctor.analysis._spikes import (
     GRAD_NORM_RULE,
     LOSS_RULE,
+    MIN_POINTS,
     Divergence,
     Spike,
     find_divergence,
     find_spikes,
+    quantum_of,
 )
 from ciuic_doctor.findings import Finding
 
@@ -31,6 +33,13 @@ MAX_SPIKE_FINDINGS = 10
 LEAD_STEPS = 100  # a grad-norm spike up to this many steps before a loss spike led it (OLMo 2's observation)
 HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
 MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
+DIVERGENCE_MIN_POINTS = 16  # 8 blocks of 2 points: fewer cannot tell a rise from noise
+# One or two logged points up to 3× their neighbours that are back right after, with a grad norm that did
+# not move, are a hard batch (Baize's batch-size-2 fine-tune: 8 of them at ~2.2×), not instability. Only
+# where the log has a row per step: an interval's row shows one step's grad norm, which cannot vouch for
+# the others, and an interval mean that doubles hides a far bigger step.
+OUTLIER_MAX_MAGNITUDE = 3.0
+OUTLIER_MAX_POINTS = 2
 
 
 def _finding(check: str, verdict: str, summary: str, evidence: dict | None = None, step: int | None = None):
@@ -63,8 +72,12 @@ def divergence(curve: Curve) -> tuple[Divergence | None, list[Finding]]:
     has_loss = np.isfinite(curve.loss).any()
     if not has_loss and not curve.nonfinite.any():
         return None, [_finding("divergence", "not_run", "no loss values in this log")]
-    found = find_divergence(curve.step, curve.loss)
+    points = int((np.isfinite(curve.loss) & (curve.loss > 0)).sum())
+    found = find_divergence(curve.step, curve.loss, quantum=quantum_of(curve.loss))
     tail = _nonfinite_tail(curve)
+    if found is None and tail is None and points < DIVERGENCE_MIN_POINTS:
+        why = f"too short: {points} loss point{'s' if points != 1 else ''} (need {DIVERGENCE_MIN_POINTS})"
+        return None, [_finding("divergence", "not_run", why)]
     if found is None and tail is None:
         finite = curve.loss[np.isfinite(curve.loss)]
         summary = "the loss did not diverge"
@@ -99,28 +112,76 @@ def _nonfinite_tail(curve: Curve, min_rows: int = 3) -> int | None:
 
 def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list[Spike], list[Finding]]:
     findings: list[Finding] = []
-    grad_spikes = find_spikes(curve.step, curve.grad_norm, GRAD_NORM_RULE)
-    loss_spikes = find_spikes(curve.step, curve.loss, LOSS_RULE)
+    grad_spikes = find_spikes(
+        curve.step, curve.grad_norm, GRAD_NORM_RULE, quantum=quantum_of(curve.grad_norm)
+    )
+    loss_spikes = find_spikes(curve.step, curve.loss, LOSS_RULE, quantum=quantum_of(curve.loss))
     if diverged is not None:  # an unrecovered rise at the divergence is the divergence, reported there
         loss_spikes = [
             s for s in loss_spikes
             if s.recovered_after_steps is not None or s.start_step < diverged.onset_step - LEAD_STEPS
         ]  # fmt: skip
-    has_grad = int(np.isfinite(curve.grad_norm).sum()) > GRAD_NORM_RULE.min_history
-    findings += _spike_findings(
-        "loss_spike", "loss", curve.loss, loss_spikes, grad_spikes if has_grad else None
-    )
+    has_grad = int((np.isfinite(curve.grad_norm) & (curve.grad_norm > 0)).sum()) >= MIN_POINTS
+    grad = grad_spikes if has_grad else None
+    per_step = set(curve.step[curve.interval <= 1].tolist())
+    outliers = [s for s in loss_spikes if s.start_step in per_step and _hard_batch(s, grad)]
+    loss_spikes = [s for s in loss_spikes if s not in outliers]
+    findings += _spike_findings("loss_spike", "loss", curve.loss, loss_spikes, grad, outliers=len(outliers))
+    if outliers:
+        findings.append(_outlier_finding(outliers))
     findings += _spike_findings("grad_norm_spike", "grad norm", curve.grad_norm, grad_spikes, None)
     return loss_spikes, grad_spikes, findings
 
 
-def _spike_findings(check: str, name: str, values, found: list[Spike], grad: list[Spike] | None):
+def _hard_batch(spike: Spike, grad: list[Spike] | None) -> bool:
+    """At most OUTLIER_MAX_POINTS points, back right after, at most OUTLIER_MAX_MAGNITUDE×, and a grad norm
+    that was read and did not spike before or with it."""
+    if grad is None or spike.points > OUTLIER_MAX_POINTS or spike.recovered_after_steps is None:
+        return False
+    if spike.magnitude > OUTLIER_MAX_MAGNITUDE:
+        return False
+    return not any(spike.start_step - LEAD_STEPS <= g.start_step <= spike.end_step for g in grad)
+
+
+def _outlier_finding(outliers: list[Spike]) -> Finding:
+    steps = [s.start_step for s in outliers]
+    worst = max(outliers, key=lambda s: s.magnitude)
+    evidence = {
+        "count": len(outliers),
+        "steps": steps[:100],
+        "max_magnitude": round(worst.magnitude, 3),
+        "median_magnitude": round(float(np.median([s.magnitude for s in outliers])), 3),
+        "max_points": max(s.points for s in outliers),
+        "grad_norm_led": False,
+    }
+    summary = (
+        f"{len(outliers)} short loss outlier(s) up to {worst.magnitude:.2f}× (at steps "
+        f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}): each back within "
+        f"{OUTLIER_MAX_POINTS} logged points, with no grad-norm spike before or with it; they look like hard "
+        "batches, not instability"
+    )
+    return _finding("loss_outliers", "pass", summary, evidence)
+
+
+def _spike_findings(
+    check: str, name: str, values, found: list[Spike], grad: list[Spike] | None, *, outliers: int = 0
+):
     points = int((np.isfinite(values) & (values > 0)).sum())
-    if points <= LOSS_RULE.min_history:
-        why = f"no {name} in this log" if points == 0 else f"only {points} {name} values (need > 16)"
+    if points < MIN_POINTS:
+        why = (
+            f"no {name} in this log"
+            if points == 0
+            else f"too short: {points} {name} points (need {MIN_POINTS})"
+        )
         return [_finding(check, "not_run", why)]
     if not found:
-        return [_finding(check, "pass", f"no {name} spike in {points} logged points")]
+        summary = f"no {name} spike in {points} logged points"
+        if outliers:
+            summary = (
+                f"no {name} spike that lasted in {points} logged points ({outliers} short outlier(s) that "
+                "recovered at once: see loss_outliers)"
+            )
+        return [_finding(check, "pass", summary)]
     shown = sorted(sorted(found, key=lambda s: -s.magnitude)[:MAX_SPIKE_FINDINGS], key=lambda s: s.start_step)
     out = []
     for spike in shown:
@@ -194,13 +255,15 @@ def scaler(curve: Curve, log: StepLog) -> list[Finding]:
     report = analyse_scaler(
         curve.step, curve.skipped, curve.interval, curve.scale, curve.lr,
         floor=log.min_scale, fatal_steps=fatal, steps_known=log.steps_known,
+        framework=log.framework, printed=log.scaler,
     )  # fmt: skip
     if not report.uses_scaler:
-        why = (
-            f"precision {log.precision}: no dynamic loss scaling"
-            if log.precision in ("bf16", "fp32")
-            else "no dynamic loss scale in this log (bf16/fp32, or the log does not print it)"
-        )
+        if log.precision in ("bf16", "fp32"):
+            why = f"precision {log.precision}: no dynamic loss scaling"
+        elif log.precision == "fp16":
+            why = "fp16, but the log prints no loss scale and no skipped step to judge the scaler by"
+        else:
+            why = "no dynamic loss scale in this log (bf16/fp32, or the log does not print it)"
         return [
             _finding(check, "not_run", why) for check in ("loss_scaler", "overflow_storm", "scale_collapse")
         ]
@@ -211,7 +274,10 @@ def _scaler_finding(report: ScalerReport, curve: Curve, log: StepLog) -> Finding
     rule = ScalerRule()
     after_steps = max(1, report.steps_after_calibration)
     rate = report.skipped_after_calibration / after_steps
-    frequent = report.skipped_after_calibration >= rule.storm_skips and rate > rule.frequent_skip_rate
+    config = report.config
+    assert config is not None  # a scaler in use always has one
+    allowed = max(rule.frequent_skip_rate, rule.configured_rate_margin * config.skips_per_step)
+    frequent = report.skipped_after_calibration >= report.storm_skips and rate > allowed
     struggling = bool(report.storms) or report.collapse_step is not None or frequent
     suggested = report.steady_scale if report.steady_scale and report.collapse_step is None else None
     evidence = {
@@ -229,6 +295,8 @@ def _scaler_finding(report: ScalerReport, curve: Curve, log: StepLog) -> Finding
         "framework": log.framework,
         "scale_floor": report.floor,
         "steps_known": log.steps_known,
+        "config": config.to_evidence(),
+        "configured_skips_per_1000_steps": round(1000 * config.skips_per_step, 2),
     }
     calibrating = (
         f"{report.calibration_skipped} calibrating (to step {report.calibration_steps})"
@@ -239,6 +307,20 @@ def _scaler_finding(report: ScalerReport, curve: Curve, log: StepLog) -> Finding
         f"{report.skipped_total} steps skipped: {calibrating}, {report.skipped_after_calibration} after "
         f"({1000 * rate:.3g} per 1000 steps)"
     ]
+    if report.skipped_after_calibration and not frequent and not report.storms:
+        said = {"log": "as the log sets it", "inferred": "inferred from the skip pattern"}.get(
+            config.source["window_steps"], "the default"
+        )
+        setting = f"window {config.window_steps} steps, hysteresis {config.hysteresis}: {said}"
+        if rate <= 1.25 * config.skips_per_step:
+            parts.append(
+                f"the scaler probing as configured ({setting}; up to {config.hysteresis} skips per "
+                f"{config.window_steps} steps)"
+            )
+        else:
+            parts.append(
+                f"below the {1000 * allowed:.3g} per 1000 steps that would mean fp16 struggles ({setting})"
+            )
     advice = []
     if suggested and report.calibration_skipped >= 2:
         advice.append(f"init_scale={suggested:g} (the scale it settled at) skips the calibration")
@@ -253,7 +335,6 @@ def _scaler_finding(report: ScalerReport, curve: Curve, log: StepLog) -> Finding
 
 
 def _storm_findings(report: ScalerReport, log: StepLog) -> list[Finding]:
-    rule = ScalerRule()
     if not log.steps_known:
         return [
             _finding("overflow_storm", "not_run", "the overflow lines carry no step numbers (no step= lines)")
@@ -263,7 +344,8 @@ def _storm_findings(report: ScalerReport, log: StepLog) -> list[Finding]:
             _finding(
                 "overflow_storm",
                 "pass",
-                f"no {rule.storm_skips}+ skips within {rule.storm_window_steps} steps after calibration",
+                f"no {report.storm_skips}+ skips within {ScalerRule().storm_window_steps} steps after "
+                "calibration",
             )
         ]
     out = []
@@ -272,7 +354,8 @@ def _storm_findings(report: ScalerReport, log: StepLog) -> list[Finding]:
             "start_step": storm.start_step,
             "end_step": storm.end_step,
             "skipped": storm.skipped,
-            "window_steps": rule.storm_window_steps,
+            "window_steps": ScalerRule().storm_window_steps,
+            "storm_skips": report.storm_skips,
             "scale_before": storm.scale_before,
             "scale_after": storm.scale_after,
             "lr_at_start": storm.lr_at_start,

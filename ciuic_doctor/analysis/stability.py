@@ -15,8 +15,15 @@ Reads our `steps` stream (`analyze(run)`) or any log the importers read (`analyz
                       suggested_init_scale, suggest_bf16 (+ overflows_near_lr_peak and the advice)
     clipping          clip_max_norm, clipped_fraction, suggested_max_norm (from healthy steps)
 
+    loss_outliers     single-point outliers that recovered at once with no grad-norm lead (hard batches),
+                      summarised as one pass finding instead of one warning each
+    log_import        what was read (formats, rows, unread lines, engines, series) and what the import had
+                      to decide; warn when paths that are not one run were given together
+
 Rows from several ranks are folded into one curve per step first (mean loss, max grad norm, min scale, any
-skip), so that a loss spike on one rank's batch still shows and a skip is counted once.
+skip), so that a loss spike on one rank's batch still shows and a skip is counted once. Several series (two
+DeepSpeed engines in one log, or separate runs) are judged one by one and their findings merged: one
+finding per check naming the series (the worst first), and one per spike or storm.
 """
 
 from __future__ import annotations
@@ -96,11 +103,27 @@ def fold(table) -> Curve:
 
 def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Finding]:
     """Every stability check on an imported log; `clip_max_norm` overrides the one in the log's meta."""
-    from ciuic_doctor.analysis import _stability_checks as checks
+    from ciuic_doctor.analysis._series import import_finding, merge_series
 
     if log.table is None or log.table.empty:
         return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary="no step records")]
-    curve = fold(log.table)
+    series = sorted(int(k) for k in log.table["series"].unique())
+    if len(series) == 1:
+        findings = _judge(fold(log.table), log, clip_max_norm)
+    else:
+        names = log.series_names if len(log.series_names) == len(series) else [f"series {k}" for k in series]
+        per_series = {
+            name: _judge(fold(log.table[log.table["series"] == k]), log, clip_max_norm)
+            for name, k in zip(names, series, strict=True)
+        }
+        findings = merge_series(per_series)
+    imported = import_finding(log)
+    return findings + ([imported] if imported else [])
+
+
+def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Finding]:
+    from ciuic_doctor.analysis import _stability_checks as checks
+
     findings: list[Finding] = []
     diverged, divergence_findings = checks.divergence(curve)
     _, grad_spikes, spike_findings = checks.spikes(curve, diverged)

@@ -14,10 +14,19 @@ The table (a pandas DataFrame, one row per logged step or logging interval, in f
     skipped         int     optimizer steps the loss scaler skipped in the row (0/1 for a per-step row)
     nonfinite       int     iterations whose loss was NaN/inf (Megatron counts them, drops the loss value)
     interval_steps  int     optimizer steps the row covers (> 1 for Megatron/HF/Lightning logging intervals)
+    series          int     which curve the row belongs to: 0, or the engine (DeepSpeed-Chat's actor and
+                            critic print `step=N` each) or the separate run (several paths that are not one
+                            resumed run); StepLog.series_names names them
     source          str     "<format>:<file name>"
 
+A value a framework prints when it did not compute it is missing, not a number: a loss scale ≤ 0
+(Megatron-DeepSpeed's pipeline engine prints `loss scale: -1.0`) and a grad norm ≤ 0 (`grad norm: 0.000`;
+a real total gradient norm is never exactly 0 while a model trains) become NaN.
+
 Formats: `ours` (the steps stream of a run directory), `megatron`, `deepspeed` (+ apex and fairseq
-overflow lines), `hf` (trainer_state.json), `lightning` (CSVLogger metrics.csv). `auto` sniffs each path.
+overflow lines), `hf` (trainer_state.json), `lightning` (CSVLogger metrics.csv), `nanogpt` (`iter N: loss
+X, time Yms, mfu Z%`), `wordlm` (PyTorch examples word_language_model `| epoch 1 | 200/2983 batches |
+... | loss 5.12 |`). `auto` sniffs each path.
 Every importer survives arbitrary bytes: what it cannot read it counts and skips, and a file with nothing
 it recognises ends in one `UserError` line, never a traceback.
 """
@@ -35,10 +44,10 @@ from ciuic_doctor.errors import UserError
 if TYPE_CHECKING:
     import pandas as pd
 
-FORMATS: tuple[str, ...] = ("ours", "megatron", "deepspeed", "hf", "lightning")
+FORMATS: tuple[str, ...] = ("ours", "megatron", "deepspeed", "hf", "lightning", "nanogpt", "wordlm")
 COLUMNS: tuple[str, ...] = (
     "step", "rank", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nonfinite",
-    "interval_steps", "source",
+    "interval_steps", "series", "source",
 )  # fmt: skip
 FLOAT_COLUMNS = ("t", "loss", "lr", "grad_norm", "loss_scale")
 SNIFF_BYTES = 4 << 20  # Megatron prints thousands of argument lines before the first iteration
@@ -50,6 +59,8 @@ _DEEPSPEED_SIGN = re.compile(
     r"OVERFLOW!|step=\d+, skipped=\d+|Gradient overflow\.|overflow detected, setting loss scale"
     r"|loss scale already at minimum|Minimum loss scale reached|\[deepspeed\]|\[deepscale\]"
 )
+_NANOGPT_SIGN = re.compile(r"^iter \d+: loss [-+0-9.eEnaif]+, time ", re.M)
+_WORDLM_SIGN = re.compile(r"^\| epoch +\d+ \| +\d+/ *\d+ batches \|", re.M)
 
 
 @dataclass(kw_only=True)
@@ -60,6 +71,11 @@ class StepLog:
     fatal "already at minimum"). `min_scale` is the framework's loss-scale floor (Megatron and DeepSpeed 1,
     fairseq 1e-4; None for torch.amp.GradScaler, which has none). `steps_known` is False when a log places
     events only in order (DeepSpeed overflow lines without any `step=` line).
+
+    `scaler` is the loss scaler's configuration where the log prints it (importers/_config.py:
+    window_steps, hysteresis, min_scale, initial_scale, source "log"); the analysis infers what is missing
+    from the skip pattern. `series_names` names the table's series (["actor", "critic"], or the files of
+    separate runs); `notes` says what the import had to decide (several engines, runs not merged).
     """
 
     table: Any  # pandas.DataFrame with COLUMNS
@@ -72,10 +88,36 @@ class StepLog:
     precision: str | None = None
     clip_max_norm: float | None = None
     steps_known: bool = True
+    scaler: dict[str, Any] = field(default_factory=dict)
+    series_names: list[str] = field(default_factory=list)
+    engines: int = 1
+    notes: list[str] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
         return len(self.table)
+
+    def summary(self) -> dict[str, Any]:
+        """What was imported, for `--json`, meta.json and the report: format per file, rows, lines."""
+        table = self.table
+        steps = table["step"] if table is not None and len(table) else None
+        return {
+            "formats": dict(self.formats),
+            "rows": self.rows if table is not None else 0,
+            "read_lines": self.read_lines,
+            "unread_lines": self.unread_lines,
+            "first_step": int(steps.min()) if steps is not None else None,
+            "last_step": int(steps.max()) if steps is not None else None,
+            "engines": self.engines,
+            "series": list(self.series_names) or ["main"],
+            "framework": self.framework,
+            "precision": self.precision,
+            "scaler": dict(self.scaler),
+            "min_scale": self.min_scale,
+            "steps_known": self.steps_known,
+            "events": list(self.events[:100]),
+            "notes": list(self.notes),
+        }
 
 
 def empty_table() -> pd.DataFrame:
@@ -118,14 +160,20 @@ def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
         for name in ("skipped", "nonfinite")
     }
     interval = np.nan_to_num(kept(number("interval_steps", 1.0)), nan=1.0, posinf=1.0, neginf=1.0)
+    series = np.nan_to_num(kept(number("series", 0.0)), nan=0.0, posinf=0.0, neginf=0.0)
+    floats = {name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS}
+    with np.errstate(invalid="ignore"):
+        for name in ("loss_scale", "grad_norm"):  # placeholders (-1.0, 0.000) are not values
+            floats[name] = np.where(floats[name] > 0, floats[name], np.nan)
     frame = pd.DataFrame(
         {
             "step": kept(step).astype(np.int64),
             "rank": pd.arrays.IntegerArray(np.where(valid_rank, rank, 0).astype(np.int64), ~valid_rank),
-            **{name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS},
+            **floats,
             "skipped": counts["skipped"].astype(np.int64),
             "nonfinite": counts["nonfinite"].astype(np.int64),
             "interval_steps": np.clip(interval, 1, 2**62).astype(np.int64),
+            "series": np.clip(series, 0, 2**15).astype(np.int16),
             "source": pd.Categorical.from_codes(np.zeros(int(keep.sum()), dtype=np.int8), [source]),
         }
     )
@@ -175,6 +223,10 @@ def sniff(path: str | Path) -> str:
         return "megatron"
     if _DEEPSPEED_SIGN.search(text):
         return "deepspeed"
+    if _NANOGPT_SIGN.search(text):
+        return "nanogpt"
+    if _WORDLM_SIGN.search(text):
+        return "wordlm"
     raise UserError(f"{path}: not a training log this tool knows (formats: {', '.join(FORMATS)})")
 
 
@@ -207,39 +259,99 @@ def check_format(fmt: str) -> str:
 def load(paths: str | Path | list[str | Path], fmt: str = "auto") -> StepLog:
     """Read every path (each sniffed when `fmt` is "auto") into one StepLog, in the order given.
 
-    Several paths are concatenated: later files win where they repeat a (rank, step), which is what a
-    resumed run's second log means.
+    Several paths are one run only when each continues the one before (`continues`): the same format,
+    starting after the previous one starts, within reach of where it ended, at the same loss level. Then
+    they are concatenated and a later file wins where it repeats a (rank, step), which is what a resumed
+    run's second log means. Paths that are not one run are kept apart as series of their own (judged one by
+    one) and a note says so: merging two different runs makes a curve that neither of them was.
     """
-    import pandas as pd
-
     check_format(fmt)
     if isinstance(paths, str | Path):
         paths = [paths]
     if not paths:
         raise UserError("no log path given")
-    parts: list[StepLog] = []
-    for raw in paths:
-        path = Path(raw)
-        kind = sniff(path) if fmt == "auto" else fmt
-        if not path.exists():
-            raise UserError(f"{path}: no such file or directory")
-        module = importlib.import_module(f"{__name__}.{kind}")
-        try:
-            part = module.load(path)
-        except (OSError, MemoryError) as exc:
-            raise UserError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-        if part.table.empty:
-            raise UserError(
-                f"{path}: no training steps found as {kind} "
-                f"({part.read_lines} lines read, {part.unread_lines} not recognised)"
-            )
-        part.formats = {str(path): kind}
-        parts.append(part)
+    parts = [_load_one(Path(raw), fmt) for raw in paths]
     if len(parts) == 1:
         return parts[0]
-    table = pd.concat([p.table for p in parts], ignore_index=True)
+    return _combine(parts)
+
+
+def _load_one(path: Path, fmt: str) -> StepLog:
+    kind = sniff(path) if fmt == "auto" else fmt
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory")
+    module = importlib.import_module(f"{__name__}.{kind}")
+    try:
+        part = module.load(path)
+    except (OSError, MemoryError) as exc:
+        raise UserError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    if part.table.empty:
+        raise UserError(
+            f"{path}: no training steps found as {kind} "
+            f"({part.read_lines} lines read, {part.unread_lines} not recognised)"
+        )
+    part.formats = {str(path): kind}
+    return part
+
+
+RESUME_REACH_STEPS = 1000  # a resumed log may start this far past the previous one's end (lost lines)
+RESUME_LOSS_RATIO = 1.5  # and within this factor of the loss the previous one ended at
+
+
+def continues(before: StepLog, after: StepLog) -> str | None:
+    """None when `after` reads as the resumption of `before`, else why not (for the note)."""
+    import numpy as np
+
+    kind_a, kind_b = set(before.formats.values()), set(after.formats.values())
+    if kind_a != kind_b:
+        return f"formats differ ({', '.join(sorted(kind_a))} then {', '.join(sorted(kind_b))})"
+    a, b = before.table, after.table
+    first_a, last_a, first_b = int(a["step"].min()), int(a["step"].max()), int(b["step"].min())
+    if first_b <= first_a:
+        return f"the second starts at step {first_b}, not after the first's start (step {first_a})"
+    reach = max(RESUME_REACH_STEPS, int(a["interval_steps"].median()) * 10)
+    if first_b > last_a + reach:
+        return f"the second starts at step {first_b}, {first_b - last_a} steps after the first ends"
+    end_a = a.loc[a["step"] >= first_b - reach, "loss"].to_numpy()[-10:]
+    start_b = b["loss"].to_numpy()[:10]
+    end_a, start_b = end_a[np.isfinite(end_a) & (end_a > 0)], start_b[np.isfinite(start_b) & (start_b > 0)]
+    if len(end_a) and len(start_b):
+        ratio = float(np.median(start_b) / np.median(end_a))
+        if not 1 / RESUME_LOSS_RATIO <= ratio <= RESUME_LOSS_RATIO:
+            return f"the loss jumps {ratio:.2f}× where the second begins"
+    return None
+
+
+def _combine(parts: list[StepLog]) -> StepLog:
+    """Chain the parts that resume each other; every chain becomes one series."""
+    import pandas as pd
+
+    chains: list[list[StepLog]] = [[parts[0]]]
+    notes: list[str] = []
+    for part in parts[1:]:
+        why = continues(chains[-1][-1], part)
+        if why is None:
+            chains[-1].append(part)
+        else:
+            names = (next(iter(chains[-1][-1].formats)), next(iter(part.formats)))
+            notes.append(f"{names[1]} is not a resumption of {names[0]} ({why}): judged as a separate run")
+            chains.append([part])
+    tables, names = [], []
+    for index, chain in enumerate(chains):
+        for part in chain:
+            table = part.table
+            if len(chains) > 1:  # (engines inside separate runs are not told apart)
+                table = table.assign(series=index)
+            tables.append(table)
+        names.append(Path(next(iter(chain[0].formats))).name)
     frameworks = {p.framework for p in parts if p.framework}
     floors = [p.min_scale for p in parts if p.min_scale is not None]
+    table = pd.concat(tables, ignore_index=True)
+    table["series"] = table["series"].astype("int16")
+    if len(chains) > 1:
+        notes.insert(0, f"{len(parts)} paths, {len(chains)} separate runs: each is judged on its own")
+    else:
+        notes.insert(0, f"{len(parts)} paths read as one resumed run")
     return StepLog(
         table=table,
         formats={k: v for p in parts for k, v in p.formats.items()},
@@ -251,4 +363,8 @@ def load(paths: str | Path | list[str | Path], fmt: str = "auto") -> StepLog:
         precision=next((p.precision for p in parts if p.precision), None),
         clip_max_norm=next((p.clip_max_norm for p in parts if p.clip_max_norm is not None), None),
         steps_known=all(p.steps_known for p in parts),
+        scaler=next((p.scaler for p in parts if p.scaler), {}),
+        series_names=names if len(chains) > 1 else list(parts[0].series_names),
+        engines=max(p.engines for p in parts),
+        notes=notes + [n for p in parts for n in p.notes],
     )

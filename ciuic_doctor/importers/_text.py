@@ -119,3 +119,40 @@ def unix_seconds(stamps):  # pandas Series of str -> float seconds (NaN where ab
         parsed = pd.to_datetime(text, format="ISO8601", errors="coerce", utc=True)
     seconds = (parsed - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
     return seconds.astype("float64")
+
+
+def read_rows(path: Path, line: re.Pattern, *, source: str, framework: str):  # -> StepLog
+    """A plain-text log with one regex a training row: groups `step` (or `epoch` + `batch` + `batches`),
+    `loss`, and optionally `lr`; `loss nan`/`inf` is counted as non-finite. Logs people paste in bug
+    reports are small, so this reads the whole file in chunks with one regex and no fast path."""
+    import math
+
+    from ciuic_doctor.importers import StepLog, normalize
+
+    columns: dict[str, list] = {"step": [], "rank": [], "loss": [], "lr": [], "nonfinite": []}
+    read = 0
+    for text in text_chunks(path):
+        read += count_lines(text)
+        for match in line.finditer(text):
+            found = match.groupdict()
+            if found.get("step") is not None:
+                step = int(found["step"])
+            else:
+                step = (int(found["epoch"]) - 1) * int(found["batches"]) + int(found["batch"])
+            loss = _float(found.get("loss"))
+            columns["step"].append(step)
+            columns["rank"].append(_float(match.group(1) or match.group(2)))
+            columns["loss"].append(loss)
+            columns["lr"].append(_float(found.get("lr")))
+            columns["nonfinite"].append(int(not math.isfinite(loss) and found.get("loss") is not None))
+    steps = columns["step"]
+    columns["interval_steps"] = [b - a if b > a else 1 for a, b in zip([0, *steps], steps, strict=False)]
+    table = normalize(columns, source=source)
+    return StepLog(table=table, read_lines=read, unread_lines=read - len(table), framework=framework)
+
+
+def _float(text: str | None) -> float:
+    try:
+        return float(text) if text is not None else float("nan")
+    except ValueError:
+        return float("nan")

@@ -18,6 +18,15 @@ DeepSpeed prints no loss of its own, so the rows carry the scaler's story: one r
 (skips in the interval, the scale after its last overflow). Overflow lines carry no step, so they are
 placed in the interval that ends at the next `step=` line; without any `step=` line each overflow is its
 own row numbered in order (`steps_known` False). Several ranks printing the same overflow count once.
+
+The engine's own start line `step=0, skipped=0` covers no step: it is the count's origin, not a row (as a
+row it would hide the calibration burst that follows it). Several engines in one process (DeepSpeed-Chat
+step 3: actor and critic) each print `step=N` with their own cumulative `skipped`, and their overflow lines
+interleave without saying whose they are: the k-th `step=N` line of a rank is engine k, each engine's skip
+count per interval comes from its own cumulative count, and each overflow goes to the engine whose scale
+it continues (`Attempted loss scale` equal to that engine's last scale, or above it after a silent growth).
+Engines are named from the command line where it gives each a learning rate (`--actor_learning_rate`),
+matched by their peak LR, else "engine 0", "engine 1".
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ciuic_doctor.importers import StepLog, normalize
+from ciuic_doctor.importers import SNIFF_BYTES, StepLog, normalize
+from ciuic_doctor.importers._config import head_text, learning_rate_names, precision, scaler_config
 from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, text_chunks
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -60,6 +70,8 @@ class _Event:
     step: int = 0
     skipped_total: int = 0
     lr: float = math.nan
+    hysteresis: int = 0  # the "but hysteresis is N" of a skip that kept the scale
+    engine: int = 0
 
 
 def load(path: Path) -> StepLog:
@@ -78,11 +90,32 @@ def load(path: Path) -> StepLog:
         framework=framework,
         min_scale=_FLOORS.get(framework, 1.0),
     )
-    if any(e.kind == "overflow" and math.isfinite(e.attempted) for e in events):
+    head = head_text(path, SNIFF_BYTES)
+    log.precision = precision(head)
+    attempted = [e.attempted for e in events if e.kind == "overflow" and math.isfinite(e.attempted)]
+    if attempted and log.precision is None:
         log.precision = "fp16"
+    log.scaler = scaler_config(head)
+    hysteresis = max((e.hysteresis for e in events if e.kind == "overflow"), default=0)
+    if hysteresis and "hysteresis" not in log.scaler:
+        log.scaler["hysteresis"] = hysteresis  # "but hysteresis is 2" says it outright
+        log.scaler.setdefault("source", "log")
+    if attempted and "initial_scale" not in log.scaler:
+        log.scaler["initial_scale"] = attempted[0]  # the first overflow tried the scale it started at
+        log.scaler.setdefault("source", "log")
     source = f"deepspeed:{path.name}"
     if any(e.kind == "progress" for e in events):
-        log.table = _by_progress(events, log, source)
+        engines = _assign_engines(events)
+        log.engines = engines
+        if engines > 1:
+            log.series_names = _engine_names(events, engines, head)
+            log.notes.append(
+                f"{engines} DeepSpeed engines in one log ({', '.join(log.series_names)}): "
+                "one series each, judged apart"
+            )
+            log.table = _by_engine(events, engines, log, source)
+        else:
+            log.table = _by_progress(events, log, source)
     else:
         log.steps_known = False
         log.table = _by_order(events, log, source)
@@ -109,7 +142,10 @@ def _event(match: re.Match, frameworks: set[str]) -> _Event:
         # A hysteresis line skips the step but keeps the scale it attempted.
         new = _float(match.group("reduced")) if match.group("reduced") else attempted
         rank = _rank(match.group("orank") or prefix_rank)
-        return _Event(kind="overflow", rank=rank, t=t, attempted=attempted, new_scale=new)
+        hysteresis = int(match.group("hyst")) if match.group("hyst") else 0
+        return _Event(
+            kind="overflow", rank=rank, t=t, attempted=attempted, new_scale=new, hysteresis=hysteresis
+        )
     if match.group("apex"):
         frameworks.add("apex")
         scale = _float(match.group("apex_scale"))
@@ -157,6 +193,9 @@ def _by_progress(events: list[_Event], log: StepLog, source: str):
             continue
         if rows and event.step == rows[-1]["step"]:
             continue  # the same progress line from another rank
+        if event.step == 0 and not rows:
+            previous_total = event.skipped_total  # the engine's start line: the origin of the count
+            continue
         if previous_total is not None and event.skipped_total >= previous_total:
             skipped = event.skipped_total - previous_total
         elif has_overflow_lines:
@@ -224,4 +263,103 @@ def _note_minimum(pending: list[_Event], step: int, log: StepLog) -> None:
 def _frame(rows: list[dict], source: str):
     columns = {key: [r[key] for r in rows] for key in ("step", "rank", "t", "lr", "loss_scale", "skipped")}
     columns["interval_steps"] = [r["interval"] for r in rows]
+    columns["series"] = [r.get("series", 0) for r in rows]
     return normalize(columns, source=source)
+
+
+# ---- several engines in one log ------------------------------------------------------------------------
+
+
+def _assign_engines(events: list[_Event]) -> int:
+    """Number each progress line's engine (the k-th `step=N` of a rank is engine k); the engine count is
+    the most common number of lines a (rank, step) has, so a stray repeat does not make an engine."""
+    from collections import Counter
+
+    seen: Counter = Counter()
+    for event in events:
+        if event.kind == "progress":
+            key = (event.rank if math.isfinite(event.rank) else -1.0, event.step)
+            event.engine = seen[key]
+            seen[key] += 1
+    common = Counter(seen.values()).most_common()
+    engines = max(common, key=lambda kv: (kv[1], kv[0]))[0] if common else 1
+    return max(1, engines)
+
+
+def _engine_names(events: list[_Event], engines: int, head: str) -> list[str]:
+    """Names from `--<name>_learning_rate` on the command line, matched to each engine's peak LR (each
+    within 1.5× of its own, one name per engine); else engine 0, engine 1, ..."""
+    fallback = [f"engine {i}" for i in range(engines)]
+    named = learning_rate_names(head)
+    peaks = []
+    for engine in range(engines):
+        lrs = [e.lr for e in events if e.kind == "progress" and e.engine == engine and math.isfinite(e.lr)]
+        peaks.append(max(lrs) if lrs else math.nan)
+    if len(named) < engines or not all(math.isfinite(p) and p > 0 for p in peaks):
+        return fallback
+    names = []
+    for peak in peaks:
+        name, value = min(named.items(), key=lambda kv: abs(math.log(kv[1] / peak)))
+        if abs(math.log(value / peak)) > math.log(1.5) or name in names:
+            return fallback
+        names.append(name)
+    return names
+
+
+def _by_engine(events: list[_Event], engines: int, log: StepLog, source: str):
+    """One row per engine per `step=` line. Each engine's skips in an interval are the rise of its own
+    cumulative count; the interleaved overflow lines are given to the engines that have skips left in
+    their current interval, each to the one whose scale it continues."""
+    progress = [[e for e in events if e.kind == "progress" and e.engine == k] for k in range(engines)]
+    quotas = []
+    for lines in progress:
+        totals = [e.skipped_total for e in lines]
+        quotas.append([max(0, b - a) for a, b in zip([0, *totals], totals, strict=False)])
+    overflow_ranks = [e.rank for e in events if e.kind == "overflow" and math.isfinite(e.rank)]
+    first_rank = min(overflow_ranks) if overflow_ranks else math.nan
+    position = [0] * engines  # index of each engine's next progress line
+    scale = [math.nan] * engines
+    pending: list[list[_Event]] = [[] for _ in range(engines)]
+    rows: list[list[dict]] = [[] for _ in range(engines)]
+    for event in events:
+        if event.kind == "overflow":
+            if math.isfinite(event.rank) and event.rank != first_rank:
+                continue  # the same skip printed by another rank
+            left = [k for k in range(engines) if _quota_left(quotas[k], position[k], pending[k])]
+            owner = min(left or range(engines), key=lambda k: _continuity(scale[k], event.attempted))
+            pending[owner].append(event)
+            if math.isfinite(event.new_scale):
+                scale[owner] = event.new_scale
+        elif event.kind == "minimum":
+            for k in range(engines):
+                pending[k].append(event)
+        else:
+            k = event.engine
+            index = position[k]
+            position[k] += 1
+            if event.step == 0 and index == 0:
+                continue  # the engine's start line
+            skipped = quotas[k][index] if index < len(quotas[k]) else _count(pending[k])
+            previous = rows[k][-1]["step"] if rows[k] else 0
+            row = _row(event, skipped, pending[k], max(1, event.step - previous))
+            row["series"] = k
+            rows[k].append(row)
+            _note_minimum(pending[k], event.step, log)
+            pending[k] = []
+    merged = sorted((r for engine_rows in rows for r in engine_rows), key=lambda r: (r["step"], r["series"]))
+    return _frame(merged, source)
+
+
+def _quota_left(quota: list[int], index: int, pending: list[_Event]) -> bool:
+    if index >= len(quota):
+        return True  # after the engine's last step= line: overflows of a run that died
+    return sum(1 for e in pending if e.kind == "overflow") < quota[index]
+
+
+def _continuity(scale: float, attempted: float) -> float:
+    """How unlikely `attempted` follows an engine at `scale`: 0 when equal, the doublings of a silent
+    growth when above (each costs a window of clean steps), far when below (a scale never falls silently)."""
+    if not (math.isfinite(scale) and math.isfinite(attempted)) or scale <= 0 or attempted <= 0:
+        return 0.5
+    rise = math.log2(attempted / scale)
+    return rise if rise >= 0 else 100.0 - rise

@@ -10,6 +10,10 @@ norm, MoE and other losses) come and go. The loss is the mean over the interval'
 *absent* when every iteration was skipped, and also when one of them had a NaN loss (Megatron prints only
 a loss average > 0), which the `number of nan iterations` field then counts. `grad norm` is the last
 iteration's and is absent when that iteration was skipped. bf16 runs print `loss scale: 1.0`.
+Megatron-DeepSpeed's pipeline engine writes the loss as `lm-loss:` and prints `loss scale: -1.0` and
+`grad norm: 0.000` where it does not compute them (placeholders, read as missing: importers.normalize).
+The arguments block at the top (`loss_scale_window ..... 1000`, `hysteresis`, `min_loss_scale`,
+`initial_loss_scale`, `fp16`/`bf16`) and a DeepSpeed config dump give the scaler's configuration.
 
 Fast path: one regex over a few MB of text at a time, the captures joined into CSV for pandas' C parser
 (about 3 µs a line; a big log is split across the usable CPUs). A chunk with an iteration line the regex
@@ -22,7 +26,8 @@ import io
 import re
 from pathlib import Path
 
-from ciuic_doctor.importers import StepLog, intervals, normalize
+from ciuic_doctor.importers import SNIFF_BYTES, StepLog, intervals, normalize
+from ciuic_doctor.importers._config import head_text, precision, scaler_config
 from ciuic_doctor.importers._text import (
     RANK_PREFIX,
     TIMESTAMP,
@@ -40,7 +45,7 @@ _LINE = re.compile(
     r"\n[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?"
     r"[^\n|]*?\biteration\s+(\d+)\s*/\s*\d+\s*\|"
     + _SKIP + r" learning rate: ([^ |\n]+) \|"
-    + r"(?:" + _SKIP + r" lm loss: ([^ |\n]+) \|)?"
+    + r"(?:" + _SKIP + r" lm[ -]loss: ([^ |\n]+) \|)?"
     + r"(?:" + _SKIP + r" loss scale: ([^ |\n]+) \|)?"
     + r"(?:" + _SKIP + r" grad norm: ([^ |\n]+) \|)?"
     + r"(?:" + _SKIP + r" number of skipped iterations: *(\d+) \|)?"
@@ -54,6 +59,7 @@ _SLOW_HEAD = re.compile(
 _FIELD_NAMES = {
     "learning rate": "lr",
     "lm loss": "loss",
+    "lm-loss": "loss",
     "loss scale": "loss_scale",
     "grad norm": "grad_norm",
     "number of skipped iterations": "skipped",
@@ -69,6 +75,7 @@ def load(path: Path) -> StepLog:
     read = sum(lines for _, lines, _ in parts)
     used = sum(rows for _, _, rows in parts)
     step, rank = columns["step"], columns["rank"]
+    head = head_text(path, SNIFF_BYTES)
     return StepLog(
         table=normalize(
             {**{k: columns[k] for k in columns.columns}, "interval_steps": intervals(step, rank)},
@@ -78,6 +85,8 @@ def load(path: Path) -> StepLog:
         unread_lines=read - used,
         framework="megatron",
         min_scale=MIN_SCALE,
+        precision=precision(head),
+        scaler=scaler_config(head),
     )
 
 
@@ -119,7 +128,8 @@ def _fast(text: str):  # -> DataFrame | None
     )
 
 
-_OPTIONAL = ((5, " lm loss: "), (6, " loss scale: "), (7, " grad norm: "), (8, " number of skipped"))
+_OPTIONAL = ((5, (" lm loss: ", " lm-loss: ")), (6, (" loss scale: ",)), (7, (" grad norm: ",)),
+             (8, (" number of skipped",)))  # fmt: skip
 
 
 def _same_fields(text: str) -> bool:
@@ -134,8 +144,8 @@ def _same_fields(text: str) -> bool:
         match = _LINE.match("\n" + line)
         if match is None:
             return False
-        for group, name in _OPTIONAL:
-            if (name in line) != bool(match.group(group)):
+        for group, names in _OPTIONAL:
+            if any(name in line for name in names) != bool(match.group(group)):
                 return False
     return True
 

@@ -28,8 +28,12 @@ from ciuic_doctor.importers import StepLog, intervals, normalize
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
-WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
-_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm")
+# interval_steps, series, nonfinite: written by `stability LOG --out RUN` for an imported log (a row per
+# logging interval, several engines or runs, NaN counts), absent from the watch probe's records.
+WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm",
+          "interval_steps", "series", "nonfinite")  # fmt: skip
+_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
+            "interval_steps", "series")  # fmt: skip
 _FLATTEN = bytes.maketrans(b",", b":")
 
 
@@ -47,14 +51,17 @@ def load(path: Path) -> StepLog:
         parts.append(frame)
         read += lines
         unread += bad
-    raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*WANTED, "nonfinite"])
+    raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(WANTED))
     step = raw["step"]
     rank = raw["rank"]
+    interval = intervals(step, rank)
+    written = pd.to_numeric(raw["interval_steps"], errors="coerce")
+    if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
+        interval = written.fillna(interval)
     table = normalize(
         {
-            **{k: raw[k] for k in WANTED if k != "clip_max_norm"},
-            "nonfinite": raw["nonfinite"],
-            "interval_steps": intervals(step, rank),
+            **{k: raw[k] for k in WANTED if k not in ("clip_max_norm", "interval_steps")},
+            "interval_steps": interval,
         },
         source=f"ours:{path.name}",
     )
@@ -69,8 +76,12 @@ def load(path: Path) -> StepLog:
 
 
 def _apply_meta(log: StepLog, folder: Path) -> None:
-    """Clip threshold and precision from the job spec recorded in meta.json, when there is one."""
+    """Clip threshold and precision from the job spec recorded in meta.json, when there is one; for a run
+    written by `stability LOG --out RUN`, what the import knew (meta.json["source"]["import"])."""
     meta = RunDir(folder).read_meta() if (folder / "meta.json").is_file() else {}
+    source = meta.get("source") if isinstance(meta, dict) else None
+    if isinstance(source, dict) and isinstance(source.get("import"), dict):
+        _apply_import(log, source["import"])
     job = meta.get("job") if isinstance(meta, dict) else None
     if not isinstance(job, dict):
         return
@@ -80,6 +91,24 @@ def _apply_meta(log: StepLog, folder: Path) -> None:
         log.clip_max_norm = clip if clip is not None and math.isfinite(clip) else None
     if isinstance(precision, dict) and isinstance(precision.get("mode"), str):
         log.precision = precision["mode"]
+
+
+def _apply_import(log: StepLog, summary: dict[str, Any]) -> None:
+    """Restore the StepLog facts an imported log's table does not carry (StepLog.to_meta wrote them)."""
+    log.formats = {str(k): str(v) for k, v in (summary.get("formats") or {}).items()} or log.formats
+    log.framework = summary.get("framework") or log.framework
+    log.precision = summary.get("precision") or log.precision
+    floor = as_float(summary.get("min_scale"))
+    log.min_scale = floor if floor is not None and math.isfinite(floor) else None
+    log.steps_known = bool(summary.get("steps_known", True))
+    log.scaler = dict(summary.get("scaler") or {})
+    log.events = [e for e in summary.get("events") or [] if isinstance(e, dict)]
+    names = summary.get("series") or []
+    log.series_names = [str(n) for n in names] if len(names) > 1 else []
+    log.engines = int(summary.get("engines") or 1)
+    log.notes = [str(n) for n in summary.get("notes") or []]
+    log.read_lines = int(summary.get("read_lines") or log.read_lines)
+    log.unread_lines = int(summary.get("unread_lines") or 0)
 
 
 def _read_file(path: Path):  # -> (DataFrame, lines, unread lines)
@@ -106,7 +135,7 @@ def pd_concat(frames: list):  # -> DataFrame with the columns the table needs, e
 
     frames = [f for f in frames if len(f)]
     if not frames:
-        return pd.DataFrame(columns=[*WANTED, "nonfinite"])
+        return pd.DataFrame(columns=list(WANTED))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -137,7 +166,7 @@ def _parse_chunk(chunk: bytes, layout: list[str] | None):  # -> (DataFrame, line
     lines = chunk.split(b"\n")[:-1]
     if fast is None:
         ok = np.zeros(len(lines), dtype=bool)
-        frame = pd.DataFrame(columns=[*WANTED, "nonfinite", "line"])
+        frame = pd.DataFrame(columns=[*WANTED, "line"])
     else:
         frame, ok = fast
     blank = [i for i, line in enumerate(lines) if not line.strip()] if b"\n\n" in chunk else []
@@ -177,13 +206,19 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
     for key in WANTED:
         out[key] = table[2 * position[key] + 1] if key in position else np.nan
     frame = pd.DataFrame(out)
+    written = (
+        pd.to_numeric(frame["nonfinite"].astype("str").str.strip('"'), errors="coerce").fillna(0)
+        if "nonfinite" in position
+        else 0
+    )
     if as_text:
         text = frame["loss"].astype("str").str.strip('" ').str.lower()
-        frame["nonfinite"] = text.isin(["nan", "inf", "-inf", "infinity", "-infinity"]).astype("int64")
+        seen = text.isin(["nan", "inf", "-inf", "infinity", "-infinity"]).astype("int64")
+        frame["nonfinite"] = np.maximum(seen, written)
         for key in _NUMERIC:
             frame[key] = pd.to_numeric(frame[key].astype("str").str.strip('"'), errors="coerce")
     else:
-        frame["nonfinite"] = 0  # a non-finite loss is a quoted string, which only the text path reads
+        frame["nonfinite"] = written  # a non-finite loss is a quoted string, which only the text path reads
     if "skipped" in position:
         frame["skipped"] = _skipped(frame["skipped"])
     return frame[ok], ok
@@ -256,4 +291,7 @@ def _from_record(record: dict[str, Any]) -> dict[str, Any]:
     loss = out["loss"]
     out["nonfinite"] = int(loss is not None and not math.isfinite(loss))
     out["skipped"] = _count(record.get("skipped"))
+    written = as_float(record.get("nonfinite"))
+    if written is not None and math.isfinite(written) and written > out["nonfinite"]:
+        out["nonfinite"] = int(written)
     return out

@@ -1,0 +1,27 @@
+"""PyTorch examples `word_language_model` stdout (main.py), as people paste it in bug reports.
+
+    | epoch   1 |   200/ 2983 batches | lr 20.00 | ms/batch 45.12 | loss  7.62 | ppl  2049.37
+    | end of epoch   1 | time: 35.58s | valid loss  5.82 | valid ppl   336.49     (not a training step)
+
+`loss` is the mean over the last log_interval batches (printed with 2 decimals); the step is the batch
+counted over epochs, (epoch − 1) × batches per epoch + batch. `lr` is printed. `loss nan` (the model's
+loss went NaN, e.g. lr 20 with RNN_RELU) is a finding, not a missing value.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ciuic_doctor.importers import StepLog
+from ciuic_doctor.importers._text import RANK_PREFIX, read_rows
+
+_LINE = re.compile(
+    r"^[ \t]*" + RANK_PREFIX + r"\| epoch +(?P<epoch>\d+) \| +(?P<batch>\d+)/ *(?P<batches>\d+) batches \|"
+    r" lr +(?P<lr>[-+0-9.eE]+) \|[^\n]*?\| loss +(?P<loss>[-+0-9.eE]+|nan|-?inf) \|",
+    re.M,
+)
+
+
+def load(path: Path) -> StepLog:
+    return read_rows(path, _LINE, source=f"wordlm:{path.name}", framework="pytorch-examples")

@@ -61,6 +61,8 @@ def make_run(
     collapse: int | None = None,  # from this step every gradient is non-finite
     nan_steps: tuple[int, ...] = (),
     diverge: int | None = None,  # loss grows ×2 every 150 steps from here
+    scaler_window: int | None = None,  # the scaler's growth window (default: the framework's)
+    scaler_hysteresis: int | None = None,  # DeepSpeed/Megatron hysteresis (default 2)
 ) -> Run:
     rng = np.random.default_rng(seed)
     step = np.arange(1, n + 1)
@@ -110,7 +112,9 @@ def make_run(
         truth=truth,
     )
     if scaler:
-        _simulate_scaler(run, scaler, safe_scale, overflow)
+        _simulate_scaler(
+            run, scaler, safe_scale, overflow, window=scaler_window, hysteresis=scaler_hysteresis
+        )
         if collapse is not None:
             crossing = _collapse_step(run, scaler, collapse)
             truth["scale_collapse"] = [crossing]
@@ -118,14 +122,18 @@ def make_run(
     return run
 
 
-def _simulate_scaler(run: Run, kind: str, safe_scale: float, forced: np.ndarray) -> None:
+def _simulate_scaler(
+    run: Run, kind: str, safe_scale: float, forced: np.ndarray, *, window=None, hysteresis=None
+) -> None:
     """Each framework's dynamic loss scaler, step by step (see the module docstring for the constants)."""
     if kind == "gradscaler":
-        scale, interval, hysteresis, floor = 2.0**16, 2000, 1, 0.0
+        scale, interval, default_hysteresis, floor = 2.0**16, 2000, 1, 0.0
     elif kind == "megatron":
-        scale, interval, hysteresis, floor = 2.0**32, 1000, 2, 1.0
+        scale, interval, default_hysteresis, floor = 2.0**32, 1000, 2, 1.0
     else:
-        scale, interval, hysteresis, floor = 2.0**16, 1000, 2, 1.0
+        scale, interval, default_hysteresis, floor = 2.0**16, 1000, 2, 1.0
+    interval = window or interval
+    hysteresis = hysteresis or default_hysteresis
     growth = 0
     hyst = hysteresis
     for i in range(run.n):
@@ -241,11 +249,25 @@ def deepspeed_log(
     steps_per_print: int = 10,
     variant: str = "int",  # int (2023-03 on) | float (before) | deepscale (2021)
     timestamps: bool = True,
+    start_line: bool = False,  # the engine's own `step=0, skipped=0` line before training starts
+    config: dict | None = None,  # print DeepSpeed's dynamic_loss_scale_args dump with these values
 ) -> str:
     """DeepSpeed's own lines for this run: scaler overflows, hysteresis, progress, and the fatal line."""
     out = [
         "[2024-05-29 16:26:30,000] [INFO] [real_accelerator.py:203:get_accelerator] Setting ds_accelerator"
     ]
+    if config is not None:
+        out.append(
+            "[2024-05-29 16:26:31,000] [INFO] [config.py:1003:print]   dynamic_loss_scale_args ...... "
+            f"{{'init_scale': {config.get('init_scale', 65536)}, 'scale_window': {config['scale_window']}, "
+            f"'delayed_shift': {config.get('delayed_shift', 2)}, 'consecutive_hysteresis': False, "
+            f"'min_scale': {config.get('min_scale', 1)}}}"
+        )
+    if start_line:
+        out.append(
+            "[2024-05-29 16:26:32,000] [INFO] [logging.py:128:log_dist] [Rank 0] step=0, skipped=0, "
+            f"lr=[{run.lr[0]:.6g}, {run.lr[0]:.6g}], mom=[(0.9, 0.95), (0.9, 0.95)]"
+        )
     skipped = 0
     for i in range(run.n):
         step = int(run.step[i])
@@ -381,3 +403,87 @@ def write_ours(run_dir, run: Run, *, ranks: int = 2, clip_max_norm: float | None
                      "mem_active_peak": 0, "alloc_retries": 0, "rss": 900_000_000 + i, "uss": 800_000_000}
                 )  # fmt: skip
     return out
+
+
+def deepspeed_engines_log(runs: dict[str, Run], *, steps_per_print: int = 10) -> str:
+    """One process driving several DeepSpeed engines (DeepSpeed-Chat step 3: actor, critic): the command
+    line names each engine's learning rate, each engine's overflows come in its own order within a step
+    (actor first), interleaved and unnamed, and each prints its own `step=N, skipped=K` line."""
+    lrs = " ".join(f"--{name}_learning_rate {float(np.max(r.lr)):.3g}" for name, r in runs.items())
+    out = [f"cmd = deepspeed main.py --data_path Dahoas/rm-static {lrs} --deepspeed --output_dir ./output"]
+    totals = dict.fromkeys(runs, 0)
+    n = min(r.n for r in runs.values())
+    for i in range(n):
+        step = i + 1
+        head = f"[{_stamp(step, '%Y-%m-%d %H:%M:%S')},{step % 1000:03d}] [INFO] "
+        for run in runs.values():
+            event = run.scaler_log.get(step)
+            if event and event[0] == "reduce":
+                out.append(
+                    f"{head}[loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+                    f"Attempted loss scale: {int(event[1])}, reducing to {int(event[2])}"
+                )
+            elif event and event[0] == "hyst":
+                out.append(
+                    f"{head}[loss_scaler.py:188:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+                    f"Attempted loss scale: {int(event[1])}, but hysteresis is {event[2]}. "
+                    f"Reducing hysteresis to {event[2] - 1}"
+                )
+        out.append(f"epoch: 0|step: {i}|ppo_ep: 1|act_loss: 0.21|cri_loss: 0.12|unsuper_loss: 0.0")
+        for name, run in runs.items():
+            totals[name] += int(run.skipped[i])
+            if step % steps_per_print == 0:
+                out.append(
+                    f"{head}[logging.py:96:log_dist] [Rank 0] step={step}, skipped={totals[name]}, "
+                    f"lr=[{run.lr[i]:.6g}, {run.lr[i]:.6g}], mom=[(0.9, 0.95), (0.9, 0.95)]"
+                )
+    return "\n".join(out) + "\n"
+
+
+def megatron_pipeline_log(run: Run) -> str:
+    """Megatron-DeepSpeed's pipeline engine: `lm-loss:` (hyphen), and `loss scale: -1.0` / `grad norm:
+    0.000` where it does not compute them; its arguments block says fp16 with hysteresis 2."""
+    out = ["  fp16 ............................................ True",
+           "  hysteresis ...................................... 2",
+           "  loss_scale_window ............................... 1000"]  # fmt: skip
+    for i in range(run.n):
+        step = int(run.step[i])
+        out.append(
+            f" iteration {step:8d}/{run.n * 20:8d} | consumed samples: {step * 1024:12d} | elapsed time per "
+            f"iteration (ms): 141096.8 | learning rate: {run.lr[i]:.3E} | global batch size:  1024 | "
+            f"lm-loss: {run.loss[i]:.6E} | loss scale: -1.0 | grad norm: 0.000 | num zeros: 0.0 | "
+            "number of skipped iterations:   0 | number of nan iterations:   0 |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def nanogpt_log(run: Run, *, every: int = 10) -> str:
+    """nanoGPT train.py stdout: `iter N: loss X, time Yms, mfu Z%`, and the eval lines."""
+    out = [
+        "tokens per iteration will be: 491,520",
+        "found vocab_size = 50304 (inside data/openwebtext/meta.pkl)",
+    ]
+    for i in range(0, run.n, every):
+        if i % 250 == 0:
+            out.append(f"step {i}: train loss {run.loss[i]:.4f}, val loss {run.loss[i] * 1.02:.4f}")
+        loss = "nan" if run.nonfinite[i] else f"{run.loss[i]:.4f}"
+        out.append(f"iter {i}: loss {loss}, time {150.0 + i % 7:.2f}ms, mfu {38.0 + i % 3:.2f}%")
+    return "\n".join(out) + "\n"
+
+
+def wordlm_log(run: Run, *, batches: int = 2983, every: int = 200) -> str:
+    """PyTorch examples word_language_model main.py stdout (`| epoch 1 | 200/2983 batches | ...`)."""
+    out = ["Namespace(batch_size=20, bptt=35, clip=0.25, epochs=5, log_interval=200, lr=20, model='LSTM')"]
+    for i in range(every - 1, run.n, every):
+        epoch, batch = i // batches + 1, i % batches + 1
+        if batch < every:
+            out.append(
+                f"| end of epoch {epoch - 1:3d} | time: 35.58s | valid loss  5.82 | valid ppl   336.49"
+            )
+        loss = "nan" if run.nonfinite[i] else f"{run.loss[i]:5.2f}"
+        ppl = "nan" if run.nonfinite[i] else f"{math.exp(min(run.loss[i], 50)):8.2f}"
+        out.append(
+            f"| epoch {epoch:3d} | {batch:5d}/{batches:5d} batches | lr {run.lr[i] * 1e5:.2f} | "
+            f"ms/batch 11.61 | loss {loss} | ppl {ppl}"
+        )
+    return "\n".join(out) + "\n"

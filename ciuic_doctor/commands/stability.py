@@ -5,9 +5,20 @@ spiked first), divergence, NaN/inf losses, overflow storms and collapse of the f
 to change: init_scale from the scale the run settled at, bf16 when fp16 keeps overflowing, the LR when
 overflows follow its peak, clip max_norm from the grad norms of healthy steps.
 
-PATH is a run directory (its steps stream), a Megatron or DeepSpeed text log, a trainer_state.json or a
-metrics.csv; several PATHs are read as one run (a resumed run's later log wins on repeated steps). Exit code
-1 when a check failed (divergence, unrecovered spike, scale collapse, a run that ends in NaN).
+PATH is a run directory (its steps stream), a Megatron or DeepSpeed text log, a trainer_state.json, a
+metrics.csv, or nanoGPT / word_language_model stdout; several PATHs are read as one run when each resumes
+the one before (a resumed run's later log wins on repeated steps), else each is judged as a run of its own
+and the log_import finding warns. Exit code 1 when a check failed (divergence, unrecovered spike, scale
+collapse, a run that ends in NaN).
+
+With --out RUN an imported log becomes a run directory (RUN/steps.jsonl + meta.json["source"]), so
+`ciuic-doctor report RUN` draws its loss / grad-norm / scale with the findings marked, and `analyze RUN`
+gives the same findings again.
+
+Examples:
+    ciuic-doctor stability train.log                       # Megatron or DeepSpeed stdout, sniffed
+    ciuic-doctor stability run1/trainer_state.json --json  # findings + the import summary as JSON
+    ciuic-doctor stability part1.log part2.log --out reports/imported && ciuic-doctor report reports/imported
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from ciuic_doctor.commands._common import positive_float
 NAME = "stability"
 HELP = "loss spikes, divergence, overflow storms and loss-scale collapse, from our steps or framework logs"
 ORDER = 55
-FORMAT_CHOICES = "auto, ours, megatron, deepspeed, hf, lightning"
+FORMAT_CHOICES = "auto, ours, megatron, deepspeed, hf, lightning, nanogpt, wordlm"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--format", default="auto", metavar="F", help=f"log format: {FORMAT_CHOICES} (default: auto, sniffed)"
     )
     parser.add_argument(
-        "--json", action="store_true", help="print the findings as JSON (as `analyze --json`)"
+        "--json",
+        action="store_true",
+        help="print the findings as JSON (as `analyze --json`; the log_import finding carries the import "
+        "summary: formats, rows, unread lines, engines, series)",
     )
     parser.add_argument(
         "--clip",
@@ -38,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the clip_grad_norm_ max_norm the run used (default: from RUN/meta.json or the step records)",
     )
     parser.add_argument(
-        "--out", metavar="RUN", help="also merge the findings into RUN/findings.json (created if missing)"
+        "--out",
+        metavar="RUN",
+        help="also write RUN as a run directory: the imported steps, meta.json and the findings merged "
+        "into RUN/findings.json (a watched run's own steps are kept)",
     )
 
 
@@ -50,10 +67,14 @@ def run(args: argparse.Namespace) -> int:
 
     log = load(args.paths, check_format(args.format))
     findings = sort_findings(analyze_log(log, clip_max_norm=args.clip))
+    wrote_steps = False
     if args.out:
+        from ciuic_doctor.importers._run import write_run
         from ciuic_doctor.store import RunDir
 
-        write_findings(RunDir.create(args.out), findings)
+        out = RunDir.create(args.out)
+        wrote_steps = write_run(out, log, args.paths)
+        write_findings(out, findings)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:
@@ -63,7 +84,13 @@ def run(args: argparse.Namespace) -> int:
             f"read {log.rows} rows ({kinds}; steps {steps.min()}..{steps.max()}); "
             f"{log.unread_lines} of {log.read_lines} lines were not step records"
         )
+        for note in log.notes:
+            print(f"note: {note}")
         print(findings_table(findings))
         if args.out:
-            print(f"\nfindings merged into {args.out}/findings.json")
+            if wrote_steps:
+                print(f"\nrun directory written: {args.out} (steps.jsonl, meta.json, findings.json)")
+                print(f"  ciuic-doctor report {args.out}")
+            else:
+                print(f"\nfindings merged into {args.out}/findings.json")
     return 1 if overall_verdict(findings) == "fail" else 0

@@ -24,12 +24,19 @@ step). A label is found when an alarm starts within [start − 2 rows, start + i
 spike is back within 10 %; for divergence from half a doubling time before the onset to the end of the run,
 since a smooth rise has no first step); every other alarm is a false alarm.
 
-    .venv/bin/python benchmarks/stability_rules.py [--cases 30] [--seed 0]
+Real logs (../shared/real-logs/, public logs nobody here wrote, each judged by a person; skipped when
+../shared is absent): every detector runs on each file's loss (and OLMo's also on its grad norm), and a
+file counts as *agreed* when what the detector raises meets everything labels.json says of it (must /
+must_not / not_warn / max_warn / no_fail / clean_error_or). The anchors only watch the loss, so they
+cannot find an overflow storm, and their only non-finite alarm is Lightning's (it flags NaN/inf).
+
+    .venv/bin/python benchmarks/stability_rules.py [--cases 30] [--seed 0] [--real-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -41,8 +48,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ciuic_doctor.analysis.stability import analyze_log
-from ciuic_doctor.importers import StepLog, normalize
+from ciuic_doctor.analysis.stability import analyze_log, fold
+from ciuic_doctor.errors import UserError
+from ciuic_doctor.importers import StepLog, load, normalize
+
+REAL_LOGS = Path(__file__).resolve().parents[1].parent / "shared" / "real-logs"
 
 N = 5000
 MERGE_STEPS = 20
@@ -242,13 +252,120 @@ class Score:
         return self.found / self.labels if self.labels else math.nan
 
 
+# ---- real logs ---------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Raised:
+    """What a detector raised on one file: check -> steps (one per alarm or finding)."""
+
+    checks: dict[str, list[int | None]] = field(default_factory=dict)
+    failed: bool = False
+    clean_error: bool = False
+
+    def add(self, check: str, steps: list[int | None]) -> None:
+        if steps:
+            self.checks.setdefault(check, []).extend(steps)
+
+
+def agrees(label: dict, got: Raised) -> tuple[bool, list[str]]:
+    """Whether `got` meets every line of the file's label, and the lines it misses."""
+    misses = []
+    for want in label.get("must", []):
+        steps = [s for s in got.checks.get(want["check"], []) if s is not None]
+        if not any(abs(s - want["step"]) <= want["tol"] for s in steps):
+            misses.append(f"missed {want['check']}@{want['step']}")
+    for check in label.get("must_not", []) + label.get("not_warn", []):
+        if got.checks.get(check):
+            misses.append(f"raised {check}")
+    for check, most in label.get("max_warn", {}).items():
+        if len(got.checks.get(check, [])) > most:
+            misses.append(f"{len(got.checks[check])}× {check}")
+    if label.get("no_fail") and got.failed:
+        misses.append("failed")
+    either = label.get("clean_error_or", [])
+    if either and not got.clean_error and not any(got.checks.get(c) for c in either):
+        misses.append("neither a clean error nor " + "/".join(label["clean_error_or"]))
+    return not misses, misses
+
+
+def real_log_rows() -> list[tuple[str, dict[str, Raised], dict]]:
+    labels = json.loads((REAL_LOGS / "labels.json").read_text())
+    rows = []
+    for name, label in sorted(labels.items()):
+        results = {d: Raised() for d in DETECTORS}
+        try:
+            log = load(REAL_LOGS / name)
+        except UserError:
+            for r in results.values():
+                r.clean_error = True
+            rows.append((name, results, label))
+            continue
+        for f in analyze_log(log):
+            if f.verdict in ("warn", "fail"):
+                results["ours"].add(f.check, [f.where.get("step")])
+                results["ours"].failed |= f.verdict == "fail"
+        for key in sorted(int(k) for k in log.table["series"].unique()):
+            curve = fold(log.table[log.table["series"] == key])
+            loss = np.where(curve.nonfinite > 0, np.nan, curve.loss)
+            rows_with_loss = np.isfinite(curve.loss) | (curve.nonfinite > 0)
+            loss_case = Case(step=curve.step[rows_with_loss], loss=loss[rows_with_loss])
+            grad = np.isfinite(curve.grad_norm)
+            grad_case = Case(step=curve.step[grad], loss=curve.grad_norm[grad])
+            for name_, detect in (("olmo", olmo), ("lightning", lightning), ("foundry", foundry)):
+                flagged = detect(loss_case) if len(loss_case.loss) else []
+                finite = set(loss_case.step[np.isfinite(loss_case.loss)].tolist())
+                results[name_].add("loss_spike", alarms_of([s for s in flagged if s in finite]))
+                results[name_].add("nonfinite_loss", alarms_of([s for s in flagged if s not in finite]))
+            if len(grad_case.loss):
+                results["olmo"].add("grad_norm_spike", alarms_of(olmo(grad_case)))
+        rows.append((name, results, label))
+    return rows
+
+
+def print_real_logs() -> bool:
+    """The per-file table; True when ours agrees with the person on every file."""
+    if not (REAL_LOGS / "labels.json").is_file():
+        print(f"real logs: {REAL_LOGS} is not here; skipped")
+        return True
+    rows = real_log_rows()
+    width = max(len(name) for name, _, _ in rows)
+    print(f"\nreal logs ({REAL_LOGS}): agreement with the person's judgement (labels.json)")
+    header = (
+        f"{'file':<{width}}"
+        + "".join(f"{d:>11}" for d in DETECTORS)
+        + "   what ours missed / the others raised"
+    )
+    print(header)
+    print("-" * len(header))
+    totals = dict.fromkeys(DETECTORS, 0)
+    for name, results, label in rows:
+        cells, notes = [], []
+        for d in DETECTORS:
+            ok, misses = agrees(label, results[d])
+            totals[d] += ok
+            cells.append(f"{'yes' if ok else 'NO':>11}")
+            spikes = [s for s in results[d].checks.get("loss_spike", []) if s is not None]
+            if misses:
+                notes.append(f"{d}: {', '.join(misses)}")
+            elif spikes:  # allowed, and worth seeing (e.g. the 3.3× spike at iteration 3)
+                notes.append(f"{d}: loss spike at {', '.join(map(str, spikes[:3]))}")
+        print(f"{name:<{width}}" + "".join(cells) + "   " + "; ".join(notes))
+    print("-" * len(header))
+    print(f"{'agreed':<{width}}" + "".join(f"{f'{totals[d]}/{len(rows)}':>11}" for d in DETECTORS))
+    return totals["ours"] == len(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cases", type=int, default=30, help="runs per class (default 30)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--real-only", action="store_true", help="only the real-log table")
     args = parser.parse_args()
+    if args.real_only:
+        return 0 if print_real_logs() else 1
     rng = np.random.default_rng(args.seed)
     scores = {(k, d): Score() for k in CLASSES for d in DETECTORS}
     detectors = {"ours": ours, "olmo": olmo, "lightning": lightning, "foundry": foundry}
@@ -290,6 +407,7 @@ def main() -> int:
             errs = scores[kind, d].errors
             parts.append(f"{d} {np.median(errs):.0f}" if errs else f"{d} -")
         print(f"  {kind:<14} " + ", ".join(parts))
+    all_ok &= print_real_logs()
     return 0 if all_ok else 1
 
 

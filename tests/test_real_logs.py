@@ -57,3 +57,29 @@ def test_real_log_judged_as_a_person_judged_it(name):
     if "clean_error_or" in label:
         assert any(raised(findings, c) for c in label["clean_error_or"]), table
     assert all(f.verdict in ("pass", "warn", "fail", "not_run") for f in findings)
+
+
+def test_real_resumed_run_merges_and_a_different_run_does_not():
+    """slm-training v5 resumes v0 (step 140749 after 140699, same loss level); v12 is another run."""
+    v0, v5, v12 = (REAL / "lightning" / f"slm-training-{v}" / "metrics.csv" for v in ("v0", "v5", "v12"))
+    resumed = load([v0, v5])
+    assert set(resumed.table["series"].unique()) == {0}
+    assert not any(f.verdict in ("warn", "fail") for f in analyze_log(resumed))
+    mixed = load([v0, v12])
+    assert sorted(mixed.table["series"].unique()) == [0, 1]
+    findings = analyze_log(mixed)
+    assert not raised(findings, "divergence")
+    assert [f.verdict for f in findings if f.check == "log_import"] == ["warn"]
+
+
+def test_real_engines_and_scaler_config_are_read():
+    rlhf = load(REAL / "deepspeed" / "dschat-step3-rlhf.log")
+    assert (rlhf.engines, rlhf.series_names) == (2, ["actor", "critic"])
+    per_engine = rlhf.table.groupby("series")["skipped"].sum().tolist()
+    assert per_engine == [7, 7]  # SOURCES.md: 7 skips each
+    dpo = load(REAL / "deepspeed" / "dschat-step2-dpo-opt-350m.log")
+    assert (dpo.scaler["window_steps"], dpo.scaler["hysteresis"]) == (100, 2)
+    assert dpo.table["step"].min() == 10  # the `step=0, skipped=0` start line is not a row
+    [scaler] = [f for f in analyze_log(dpo) if f.check == "loss_scaler"]
+    assert scaler.evidence["initial_scale"] == 65536  # where the log starts, not where it settled
+    assert scaler.evidence["calibration_skipped"] == 4

@@ -308,3 +308,13 @@ def test_word_language_model_nan_is_a_dead_run(tmp_path):
     findings = analyze_log(log)
     assert one(findings, "nonfinite_loss").verdict == "fail"
     assert one(findings, "divergence").verdict == "fail"
+
+
+def test_a_progress_line_printed_twice_is_not_a_second_engine(tmp_path):
+    run = ls.make_run(600, seed=120, scaler="deepspeed")
+    lines = ls.deepspeed_log(run).splitlines()
+    doubled = [x for line in lines for x in ([line, line] if "step=" in line else [line])]
+    log, findings = judged(tmp_path, "twice.log", "\n".join(doubled) + "\n")
+    assert log.engines == 1
+    assert log.table["skipped"].sum() == run.skipped.sum()
+    assert one(findings, "loss_scaler").verdict == "pass"

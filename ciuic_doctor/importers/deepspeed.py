@@ -283,6 +283,16 @@ def _assign_engines(events: list[_Event]) -> int:
             seen[key] += 1
     common = Counter(seen.values()).most_common()
     engines = max(common, key=lambda kv: (kv[1], kv[0]))[0] if common else 1
+    if engines > 1:  # the same line printed twice (two log handlers) is one engine, not two
+        lines: dict[tuple, set] = {}
+        for event in events:
+            if event.kind == "progress":
+                key = (event.rank if math.isfinite(event.rank) else -1.0, event.step)
+                lines.setdefault(key, set()).add((event.skipped_total, repr(event.lr)))
+        if all(len(told) == 1 for told in lines.values()):
+            for event in events:
+                event.engine = 0
+            return 1
     return max(1, engines)
 
 

@@ -278,17 +278,8 @@ def deepspeed_log(
             return f"{int(x)}" if variant == "int" else f"{float(x)}"
 
         event = run.scaler_log.get(step)
-        if event and event[0] == "reduce":
-            out.append(
-                f"{head}[loss_scaler.py:183:update_scale] {tag} OVERFLOW! Rank 0 Skipping step. "
-                f"Attempted loss scale: {num(event[1])}, reducing to {num(event[2])}"
-            )
-        elif event and event[0] == "hyst":
-            out.append(
-                f"{head}[loss_scaler.py:190:update_scale] {tag} OVERFLOW! Rank 0 Skipping step. "
-                f"Attempted loss scale: {num(event[1])}, but hysteresis is {event[2]}. "
-                f"Reducing hysteresis to {event[2] - 1}"
-            )
+        if event:
+            out.append(_overflow_line(head, event, tag=tag, num=num))
         skipped += int(run.skipped[i])
         if step % steps_per_print == 0:
             out.append(
@@ -405,6 +396,17 @@ def write_ours(run_dir, run: Run, *, ranks: int = 2, clip_max_norm: float | None
     return out
 
 
+def _overflow_line(head: str, event: tuple, *, tag: str, num) -> str:
+    """DeepSpeed's loss_scaler line for a ("reduce", attempted, new) or ("hyst", attempted, h) event."""
+    start = f"{head}[loss_scaler.py:183:update_scale] {tag} OVERFLOW! Rank 0 Skipping step. "
+    if event[0] == "reduce":
+        return start + f"Attempted loss scale: {num(event[1])}, reducing to {num(event[2])}"
+    return (
+        start + f"Attempted loss scale: {num(event[1])}, but hysteresis is {event[2]}. "
+        f"Reducing hysteresis to {event[2] - 1}"
+    )
+
+
 def deepspeed_engines_log(runs: dict[str, Run], *, steps_per_print: int = 10) -> str:
     """One process driving several DeepSpeed engines (DeepSpeed-Chat step 3: actor, critic): the command
     line names each engine's learning rate, each engine's overflows come in its own order within a step
@@ -418,17 +420,8 @@ def deepspeed_engines_log(runs: dict[str, Run], *, steps_per_print: int = 10) ->
         head = f"[{_stamp(step, '%Y-%m-%d %H:%M:%S')},{step % 1000:03d}] [INFO] "
         for run in runs.values():
             event = run.scaler_log.get(step)
-            if event and event[0] == "reduce":
-                out.append(
-                    f"{head}[loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
-                    f"Attempted loss scale: {int(event[1])}, reducing to {int(event[2])}"
-                )
-            elif event and event[0] == "hyst":
-                out.append(
-                    f"{head}[loss_scaler.py:188:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
-                    f"Attempted loss scale: {int(event[1])}, but hysteresis is {event[2]}. "
-                    f"Reducing hysteresis to {event[2] - 1}"
-                )
+            if event:
+                out.append(_overflow_line(head, event, tag="[deepspeed]", num=lambda x: f"{int(x)}"))
         out.append(f"epoch: 0|step: {i}|ppo_ep: 1|act_loss: 0.21|cri_loss: 0.12|unsuper_loss: 0.0")
         for name, run in runs.items():
             totals[name] += int(run.skipped[i])

@@ -121,6 +121,17 @@ def unix_seconds(stamps):  # pandas Series of str -> float seconds (NaN where ab
     return seconds.astype("float64")
 
 
+def line_format(pattern: str, *, name: str, framework: str) -> Callable[[Path], Any]:
+    """An importer's `load(path)` for a plain-text log whose training rows one regex reads (after any
+    launcher prefix): see read_rows for the groups it needs."""
+    line = re.compile(r"^[ \t]*" + RANK_PREFIX + r"[ \t]*" + pattern, re.M)
+
+    def load(path: Path):  # -> StepLog
+        return read_rows(path, line, source=f"{name}:{path.name}", framework=framework)
+
+    return load
+
+
 def read_rows(path: Path, line: re.Pattern, *, source: str, framework: str):  # -> StepLog
     """A plain-text log with one regex a training row: groups `step` (or `epoch` + `batch` + `batches`),
     `loss`, and optionally `lr`; `loss nan`/`inf` is counted as non-finite. Logs people paste in bug

@@ -10,18 +10,11 @@ loss went NaN, e.g. lr 20 with RNN_RELU) is a finding, not a missing value.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+from ciuic_doctor.importers._text import line_format
 
-from ciuic_doctor.importers import StepLog
-from ciuic_doctor.importers._text import RANK_PREFIX, read_rows
-
-_LINE = re.compile(
-    r"^[ \t]*" + RANK_PREFIX + r"\| epoch +(?P<epoch>\d+) \| +(?P<batch>\d+)/ *(?P<batches>\d+) batches \|"
-    r" lr +(?P<lr>[-+0-9.eE]+) \|[^\n]*?\| loss +(?P<loss>[-+0-9.eE]+|nan|-?inf) \|",
-    re.M,
+load = line_format(
+    r"\| epoch +(?P<epoch>\d+) \| +(?P<batch>\d+)/ *(?P<batches>\d+) batches \| lr +(?P<lr>[-+0-9.eE]+) \|"
+    r"[^\n]*?\| loss +(?P<loss>[-+0-9.eE]+|nan|-?inf) \|",
+    name="wordlm",
+    framework="pytorch-examples",
 )
-
-
-def load(path: Path) -> StepLog:
-    return read_rows(path, _LINE, source=f"wordlm:{path.name}", framework="pytorch-examples")

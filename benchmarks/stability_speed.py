@@ -8,6 +8,11 @@ inside the child around the work only (interpreter start and imports excluded), 
 ciuic figure is import + every stability check, split into its two parts.
 
     .venv/bin/python benchmarks/stability_speed.py [--steps 1000000] [--repeat 2] [--keep DIR]
+        [--against CHECKOUT]
+
+--against CHECKOUT also measures another checkout of this repository (e.g. `git archive BASE | tar -x -C
+/tmp/base`) on the same logs, its children alternating with ours, and prints both side by side: on a
+shared machine whose load changes by the minute, only measurements taken in turn compare.
 """
 
 from __future__ import annotations
@@ -113,19 +118,43 @@ print(json.dumps({"seconds": t2 - t0, "rows": rows, "rss_mb": rss_mb + worker_mb
 """
 
 
-def measure(kind: str, path: Path, repeat: int) -> dict:
+def measure(kind: str, path: Path, repeat: int, repo: Path = REPO) -> dict:
     best: dict | None = None
     for _ in range(repeat):
-        out = subprocess.run(
-            [sys.executable, "-c", CHILD, kind, str(path)],
-            capture_output=True, text=True, cwd=REPO, check=True,
-        )  # fmt: skip
-        result = json.loads(out.stdout.strip().splitlines()[-1])
+        result = _child(kind, path, repo)
         print(f"  {kind:<18} {result['seconds']:6.2f} s  {result['rss_mb']:7.0f} MB  rows {result['rows']}")
         if best is None or result["seconds"] < best["seconds"]:
             best = result
     assert best is not None
     return best
+
+
+def _child(kind: str, path: Path, repo: Path) -> dict:
+    """One measurement in a fresh process importing ciuic_doctor from `repo` (its cwd comes first)."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, kind, str(path)], capture_output=True, text=True, cwd=repo, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(other: Path, logs: dict[str, Path], repeat: int) -> None:
+    """Ours and `other`'s ciuic figures on the same logs, measured in turn; best of `repeat` each."""
+    print(f"\nside by side with {other} (measured in turn, best of {repeat}):")
+    print(f"{'log':<9} {'this s':>8} {'(import':>8} {'+checks)':>9} {'other s':>8} {'(import':>8} "
+          f"{'+checks)':>9} {'this/other':>11} {'RSS MB':>7} {'other':>7}")  # fmt: skip
+    for name, path in logs.items():
+        best: dict[str, dict] = {}
+        for _ in range(repeat):
+            for who, repo in (("this", REPO), ("other", other)):
+                result = _child(f"ours-{name}", path, repo)
+                if who not in best or result["seconds"] < best[who]["seconds"]:
+                    best[who] = result
+        a, b = best["this"], best["other"]
+        print(
+            f"{name:<9} {a['seconds']:8.2f} {a['import_s']:8.2f} {a['analysis_s']:9.2f} {b['seconds']:8.2f} "
+            f"{b['import_s']:8.2f} {b['analysis_s']:9.2f} {a['seconds'] / b['seconds']:10.2f}× "
+            f"{a['rss_mb']:7.0f} {b['rss_mb']:7.0f}"
+        )
 
 
 def main() -> int:
@@ -135,6 +164,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--keep", metavar="DIR", help="write the logs here and keep them (reused if there)")
+    parser.add_argument(
+        "--against", metavar="CHECKOUT", type=Path, help="also measure this checkout, in turn with ours"
+    )
     args = parser.parse_args()
     folder = Path(args.keep or tempfile.mkdtemp(prefix="stability-speed-"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -170,6 +202,8 @@ def main() -> int:
             f"{GOALS[name]:7.1f} {base['seconds']:11.2f} {ratio:8.1f}× {ours['rss_mb']:12.0f} "
             f"{RSS_GOAL_MB:8d}  {'ok' if passed else 'MISSED'}"
         )
+    if args.against:
+        compare(args.against.resolve(), {"megatron": megatron, "jsonl": jsonl.parent}, args.repeat)
     if not args.keep:
         for path in (megatron, jsonl):
             path.unlink()

@@ -187,13 +187,14 @@ def _baseline_at(y: np.ndarray, sigma: np.ndarray, at: np.ndarray, rule: SpikeRu
     n, b = len(y), rule.baseline_points
     if not len(at):
         return np.empty(0)
-    if at[0] >= b:
-        before = np.median(y[at[:, None] + np.arange(-b, 0)], axis=1)
-    else:  # the first points: the median of the (at least MIN_BEFORE) points there are before them
-        padded = np.concatenate([np.full(b, np.nan), y])
+    first = at < b  # the first points: the median of the (at least MIN_BEFORE) points there are before them
+    before = np.empty(len(at))
+    before[~first] = np.median(y[at[~first, None] + np.arange(-b, 0)], axis=1)
+    if first.any():
+        padded = np.concatenate([np.full(b, np.nan), y[:b]])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            before = np.nanmedian(padded[at[:, None] + np.arange(0, b)], axis=1)
+            before[first] = np.nanmedian(padded[at[first, None] + np.arange(0, b)], axis=1)
     after_idx = np.minimum(at[:, None] + np.arange(1, b + 1), n - 1)
     after = np.median(y[after_idx], axis=1)
     half = 4 * b

@@ -123,14 +123,18 @@ def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list
         ]  # fmt: skip
     has_grad = int((np.isfinite(curve.grad_norm) & (curve.grad_norm > 0)).sum()) >= MIN_POINTS
     grad = grad_spikes if has_grad else None
-    per_step = set(curve.step[curve.interval <= 1].tolist())
-    outliers = [s for s in loss_spikes if s.start_step in per_step and _hard_batch(s, grad)]
+    outliers = [s for s in loss_spikes if _per_step_row(curve, s.start_step) and _hard_batch(s, grad)]
     loss_spikes = [s for s in loss_spikes if s not in outliers]
     findings += _spike_findings("loss_spike", "loss", curve.loss, loss_spikes, grad, outliers=len(outliers))
     if outliers:
         findings.append(_outlier_finding(outliers))
     findings += _spike_findings("grad_norm_spike", "grad norm", curve.grad_norm, grad_spikes, None)
     return loss_spikes, grad_spikes, findings
+
+
+def _per_step_row(curve: Curve, step: int) -> bool:
+    row = int(np.searchsorted(curve.step, step))
+    return row < len(curve.step) and curve.step[row] == step and curve.interval[row] <= 1
 
 
 def _hard_batch(spike: Spike, grad: list[Spike] | None) -> bool:

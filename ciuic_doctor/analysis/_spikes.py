@@ -338,20 +338,24 @@ def find_divergence(
     tail = -(-max(window, int(n * tail_fraction)) // window)
     if not (gap[-1] >= math.log(ratio) and np.all(gap[-tail:] >= 0.5 * math.log(ratio))):
         return None
-    if math.exp(smooth[-1]) - math.exp(best[-1]) < max(DIVERGENCE_MIN_ABS, 10 * quantum):
+    with np.errstate(over="ignore"):  # a fuzzed 1e300 loss: inf, not an OverflowError
+        rise = float(np.exp(smooth[-1]) - np.exp(best[-1]))
+    if rise < max(DIVERGENCE_MIN_ABS, 10 * quantum):
         return None
     low = np.flatnonzero(gap < 0.5 * math.log(ratio))
     last_low = first + (int(low[-1]) + 1) * window - 1 if len(low) else first + window - 1
     detected = first + (int(np.flatnonzero(gap >= math.log(ratio))[0]) + 1) * window - 1
-    lo, hi = max(0, last_low - 3 * window), min(n, detected + window)
+    # (a curve that rose, fell back and rose again has its last low after the first detection)
+    lo, hi = max(0, min(last_low, detected) - 3 * window), min(n, max(last_low, detected) + window)
     onset = lo + _hinge(s[lo:hi].astype(np.float64), y[lo:hi])
-    return Divergence(
-        onset_step=int(s[onset]),
-        detected_step=int(s[detected]),
-        best=float(math.exp(best[-1])),
-        final=float(math.exp(smooth[-1])),
-        ratio=float(math.exp(gap[-1])),
-    )
+    with np.errstate(over="ignore"):
+        return Divergence(
+            onset_step=int(s[onset]),
+            detected_step=int(s[detected]),
+            best=float(np.exp(best[-1])),
+            final=float(np.exp(smooth[-1])),
+            ratio=float(np.exp(gap[-1])),
+        )
 
 
 def _hinge(t: np.ndarray, y: np.ndarray) -> int:

@@ -255,7 +255,8 @@ def nonfinite(curve: Curve) -> list[Finding]:
 
 
 def scaler(curve: Curve, log: StepLog) -> list[Finding]:
-    fatal = [e["step"] for e in log.events if e.get("kind") == "scale_at_minimum" and e.get("step")]
+    own = [e for e in log.events if e.get("series", curve.series) == curve.series]  # this curve's, or shared
+    fatal = [e["step"] for e in own if e.get("kind") == "scale_at_minimum" and e.get("step")]
     report = analyse_scaler(
         curve.step, curve.skipped, curve.interval, curve.scale, curve.lr,
         floor=log.min_scale, fatal_steps=fatal, steps_known=log.steps_known,

@@ -56,6 +56,7 @@ class Curve:
     scale: np.ndarray
     skipped: np.ndarray
     ranks: int
+    series: int = 0  # the table's series this curve is (events of another series are not its own)
 
     @property
     def steps_covered(self) -> int:
@@ -77,6 +78,7 @@ def fold(table) -> Curve:
     """Per-step curve from the normalized table (later rows win for a repeated (rank, step))."""
     import numpy as np
 
+    series = int(table["series"].iloc[0]) if len(table) else 0
     frame = table.drop_duplicates(subset=["rank", "step"], keep="last")
     ranks = int(frame["rank"].nunique())
     if ranks > 1 or not frame["step"].is_unique:
@@ -98,6 +100,7 @@ def fold(table) -> Curve:
         scale=frame["loss_scale"].to_numpy(dtype=np.float64),
         skipped=frame["skipped"].to_numpy(dtype=np.int64),
         ranks=max(ranks, 1),
+        series=series,
     )
 
 

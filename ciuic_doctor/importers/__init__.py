@@ -357,7 +357,12 @@ def _combine(parts: list[StepLog]) -> StepLog:
         formats={k: v for p in parts for k, v in p.formats.items()},
         read_lines=sum(p.read_lines for p in parts),
         unread_lines=sum(p.unread_lines for p in parts),
-        events=[e for p in parts for e in p.events],
+        events=[
+            {**e, "series": i} if len(chains) > 1 else e
+            for i, chain in enumerate(chains)
+            for p in chain
+            for e in p.events
+        ],
         framework=frameworks.pop() if len(frameworks) == 1 else ("mixed" if frameworks else None),
         min_scale=max(floors) if floors else None,
         precision=next((p.precision for p in parts if p.precision), None),

@@ -1,8 +1,10 @@
-"""Judge training stability from a run directory or from Megatron-LM, DeepSpeed, HF Trainer or Lightning logs.
+"""Judge training stability from a run directory or from Megatron-LM, DeepSpeed, HF Trainer, Lightning,
+nanoGPT or word_language_model logs.
 
 Finds loss and grad-norm spikes (where, how big, whether and when the loss recovered, whether grad norm
 spiked first), divergence, NaN/inf losses, overflow storms and collapse of the fp16 loss scale, and says what
-to change: init_scale from the scale the run settled at, bf16 when fp16 keeps overflowing, the LR when
+to change: init_scale from the scale the run settled at, bf16 when fp16 keeps overflowing (judged against
+the scaler's own window and hysteresis, as the log prints them or as its skip pattern shows), the LR when
 overflows follow its peak, clip max_norm from the grad norms of healthy steps.
 
 PATH is a run directory (its steps stream), a Megatron or DeepSpeed text log, a trainer_state.json, a

@@ -318,3 +318,12 @@ def test_a_progress_line_printed_twice_is_not_a_second_engine(tmp_path):
     assert log.engines == 1
     assert log.table["skipped"].sum() == run.skipped.sum()
     assert one(findings, "loss_scaler").verdict == "pass"
+
+
+def test_engines_without_names_in_the_log_are_numbered(tmp_path):
+    actor = ls.make_run(300, seed=121, scaler="deepspeed", peak_lr=1e-5)
+    critic = ls.make_run(300, seed=122, scaler="deepspeed", peak_lr=5e-6)
+    text = ls.deepspeed_engines_log({"actor": actor, "critic": critic}).split("\n", 1)[1]  # no command line
+    log, findings = judged(tmp_path, "anon.log", text)
+    assert log.series_names == ["engine 0", "engine 1"]
+    assert "engine 0: " in one(findings, "loss_scaler").summary

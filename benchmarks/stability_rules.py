@@ -262,6 +262,7 @@ class Raised:
     checks: dict[str, list[int | None]] = field(default_factory=dict)
     failed: bool = False
     clean_error: bool = False
+    loss_rows: int = 0  # rows with a loss the import gave every detector
 
     def add(self, check: str, steps: list[int | None]) -> None:
         if steps:
@@ -283,6 +284,8 @@ def agrees(label: dict, got: Raised) -> tuple[bool, list[str]]:
             misses.append(f"{len(got.checks[check])}× {check}")
     if label.get("no_fail") and got.failed:
         misses.append("failed")
+    if got.loss_rows < label.get("loss_rows_min", 0):
+        misses.append(f"read {got.loss_rows} losses, not {label['loss_rows_min']}")
     either = label.get("clean_error_or", [])
     if either and not got.clean_error and not any(got.checks.get(c) for c in either):
         misses.append("neither a clean error nor " + "/".join(label["clean_error_or"]))
@@ -301,6 +304,8 @@ def real_log_rows() -> list[tuple[str, dict[str, Raised], dict]]:
                 r.clean_error = True
             rows.append((name, results, label))
             continue
+        for r in results.values():
+            r.loss_rows = int(log.table["loss"].notna().sum())
         for f in analyze_log(log):
             if f.verdict in ("warn", "fail"):
                 results["ours"].add(f.check, [f.where.get("step")])

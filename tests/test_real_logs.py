@@ -83,3 +83,10 @@ def test_real_engines_and_scaler_config_are_read():
     [scaler] = [f for f in analyze_log(dpo) if f.check == "loss_scaler"]
     assert scaler.evidence["initial_scale"] == 65536  # where the log starts, not where it settled
     assert scaler.evidence["calibration_skipped"] == 4
+
+
+def test_real_storm_gives_the_scale_the_log_shows():
+    """DeepSpeed grows the scale silently: the storm starts from the 512 its first overflow attempted
+    (SOURCES.md: 'scale 512 -> 8'), not from the 64 the last overflow before it left."""
+    [storm] = raised(analyze_log(load(REAL / "deepspeed" / "dschat-step2-rm-opt-350m.log")), "overflow_storm")
+    assert (storm.evidence["scale_before"], storm.evidence["scale_after"]) == (512, 8)

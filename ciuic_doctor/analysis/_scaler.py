@@ -131,10 +131,19 @@ def calibration(
 
 
 def find_storms(
-    step: np.ndarray, skipped: np.ndarray, *, scale: np.ndarray, lr: np.ndarray, after: int, rule: ScalerRule
+    step: np.ndarray,
+    skipped: np.ndarray,
+    *,
+    scale: np.ndarray,
+    lr: np.ndarray,
+    after: int,
+    rule: ScalerRule,
+    attempted: np.ndarray | None = None,
 ) -> list[Storm]:
     """Windows of storm_window_steps after calibration holding ≥ storm_skips skipped steps; overlapping
-    windows are one storm (from its first skipped row to its last)."""
+    windows are one storm (from its first skipped row to its last). The scale before a storm is the one
+    its first overflow attempted where the log prints it (DeepSpeed: growth since the last overflow is
+    silent, so the last scale seen is too low), else the last scale seen before it."""
     rows = np.flatnonzero((skipped > 0) & (step > after))
     if not len(rows):
         return []
@@ -159,12 +168,18 @@ def find_storms(
                 start_step=int(s[i]),
                 end_step=int(s[j]),
                 skipped=int(total[j + 1] - total[i]),
-                scale_before=_finite_or_none(before[-1]) if len(before) else None,
+                scale_before=_scale_before(before, attempted, first_row),
                 scale_after=_finite_or_none(inside.min()) if len(inside) else None,
                 lr_at_start=_finite_or_none(lr[first_row]),
             )
         )
     return storms
+
+
+def _scale_before(before: np.ndarray, attempted: np.ndarray | None, row: int) -> float | None:
+    if attempted is not None and np.isfinite(attempted[row]):
+        return float(attempted[row])
+    return _finite_or_none(before[-1]) if len(before) else None
 
 
 def analyse_scaler(
@@ -180,6 +195,7 @@ def analyse_scaler(
     rule: ScalerRule | None = None,
     framework: str | None = None,
     printed: dict | None = None,
+    attempted: np.ndarray | None = None,
 ) -> ScalerReport:
     """Everything the loss_scaler, overflow_storm and scale_collapse checks report. `printed` is the
     configuration the log printed (StepLog.scaler), `framework` picks the defaults for what it did not."""
@@ -208,8 +224,9 @@ def analyse_scaler(
     if steps_known:
         storm_rule = ScalerRule(**{**rule.__dict__, "storm_skips": report.storm_skips})
         report.storms = find_storms(
-            step, skipped, scale=scale, lr=lr, after=report.calibration_steps, rule=storm_rule
-        )
+            step, skipped, scale=scale, lr=lr, after=report.calibration_steps, rule=storm_rule,
+            attempted=attempted,
+        )  # fmt: skip
     _collapse(report, step, skipped, scale, floor=floor, fatal_steps=fatal_steps)
     steady = scale[after & np.isfinite(scale) & (scale > 0)]
     if report.collapse_step is not None:

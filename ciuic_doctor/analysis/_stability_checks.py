@@ -260,7 +260,7 @@ def scaler(curve: Curve, log: StepLog) -> list[Finding]:
     report = analyse_scaler(
         curve.step, curve.skipped, curve.interval, curve.scale, curve.lr,
         floor=log.min_scale, fatal_steps=fatal, steps_known=log.steps_known,
-        framework=log.framework, printed=log.scaler,
+        framework=log.framework, printed=log.scaler, attempted=curve.attempted,
     )  # fmt: skip
     if not report.uses_scaler:
         if log.precision in ("bf16", "fp32"):

@@ -54,6 +54,7 @@ class Curve:
     lr: np.ndarray
     grad_norm: np.ndarray
     scale: np.ndarray
+    attempted: np.ndarray  # the scale each row's first overflow attempted (NaN: not printed)
     skipped: np.ndarray
     ranks: int
     series: int = 0  # the table's series this curve is (events of another series are not its own)
@@ -86,6 +87,7 @@ def fold(table) -> Curve:
         frame = grouped.agg(
             loss=("loss", "mean"), nonfinite=("nonfinite", "max"), lr=("lr", "max"),
             grad_norm=("grad_norm", "max"), loss_scale=("loss_scale", "min"), skipped=("skipped", "max"),
+            attempted_scale=("attempted_scale", "max"),
             interval_steps=("interval_steps", "max"),
         ).reset_index()  # fmt: skip
     elif not frame["step"].is_monotonic_increasing:
@@ -98,6 +100,7 @@ def fold(table) -> Curve:
         lr=frame["lr"].to_numpy(dtype=np.float64),
         grad_norm=frame["grad_norm"].to_numpy(dtype=np.float64),
         scale=frame["loss_scale"].to_numpy(dtype=np.float64),
+        attempted=frame["attempted_scale"].to_numpy(dtype=np.float64),
         skipped=frame["skipped"].to_numpy(dtype=np.int64),
         ranks=max(ranks, 1),
         series=series,

@@ -11,6 +11,9 @@ The table (a pandas DataFrame, one row per logged step or logging interval, in f
     lr              float   learning rate
     grad_norm       float   total gradient norm before clipping
     loss_scale      float   dynamic loss scale (fp16); NaN when unknown
+    attempted_scale float   the scale the row's first overflow attempted (DeepSpeed prints it): the scale the
+                            row started at, which a silent growth since the last overflow has raised; NaN
+                            where the log does not say
     skipped         int     optimizer steps the loss scaler skipped in the row (0/1 for a per-step row)
     nonfinite       int     iterations whose loss was NaN/inf (Megatron counts them, drops the loss value)
     interval_steps  int     optimizer steps the row covers (> 1 for Megatron/HF/Lightning logging intervals)
@@ -46,10 +49,10 @@ if TYPE_CHECKING:
 
 FORMATS: tuple[str, ...] = ("ours", "megatron", "deepspeed", "hf", "lightning", "nanogpt", "wordlm")
 COLUMNS: tuple[str, ...] = (
-    "step", "rank", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "nonfinite",
+    "step", "rank", "t", "loss", "lr", "grad_norm", "loss_scale", "attempted_scale", "skipped", "nonfinite",
     "interval_steps", "series", "source",
 )  # fmt: skip
-FLOAT_COLUMNS = ("t", "loss", "lr", "grad_norm", "loss_scale")
+FLOAT_COLUMNS = ("t", "loss", "lr", "grad_norm", "loss_scale", "attempted_scale")
 SNIFF_BYTES = 4 << 20  # Megatron prints thousands of argument lines before the first iteration
 
 # What a text log of each kind always contains somewhere (Megatron: the per-interval iteration line;
@@ -163,7 +166,7 @@ def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
     series = np.nan_to_num(kept(number("series", 0.0)), nan=0.0, posinf=0.0, neginf=0.0)
     floats = {name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS}
     with np.errstate(invalid="ignore"):
-        for name in ("loss_scale", "grad_norm"):  # placeholders (-1.0, 0.000) are not values
+        for name in ("loss_scale", "grad_norm", "attempted_scale"):  # placeholders (-1.0, 0.000): no values
             floats[name] = np.where(floats[name] > 0, floats[name], np.nan)
     frame = pd.DataFrame(
         {

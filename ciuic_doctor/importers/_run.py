@@ -3,10 +3,10 @@ and meta.json["source"] saying where they came from, so `report`, `analyze` and 
 read an imported log like any other run (GUIDE: "Imported logs and watched scripts are runs like any
 other").
 
-    RUN/steps.jsonl   one record per imported row: rank, step, t, loss, lr, grad_norm, loss_scale, skipped,
-                      interval_steps, series, nonfinite (every line the same keys, so importers/ours.py reads
-                      it on its fast path); a NaN/inf loss is "nan"/"inf", a loss the log did not print is
-                      null
+    RUN/steps.jsonl   one record per imported row: rank, step, t, loss, lr, grad_norm, loss_scale,
+                      attempted_scale, skipped, interval_steps, series, nonfinite (every line the same
+                      keys, so importers/ours.py reads it on its fast path); a NaN/inf loss is
+                      "nan"/"inf", a loss the log did not print is null
     RUN/meta.json     source: {paths, formats, import: StepLog.summary()} (what ours.load restores: the
                       framework, the scaler's configuration, events, engines and series names), observed:
                       {precision, loss_scaler}
@@ -55,7 +55,8 @@ def write_run(run: RunDir, log: StepLog, paths: list[str | Path]) -> bool:
 def _records(log: StepLog):  # -> Iterator[dict]
     table = log.table
     columns = {
-        name: table[name].to_numpy() for name in ("step", "t", "loss", "lr", "grad_norm", "loss_scale")
+        name: table[name].to_numpy()
+        for name in ("step", "t", "loss", "lr", "grad_norm", "loss_scale", "attempted_scale")
     }
     rank = table["rank"].to_numpy(dtype="float64", na_value=math.nan)
     counts = {name: table[name].to_numpy() for name in ("skipped", "nonfinite", "interval_steps", "series")}
@@ -71,6 +72,7 @@ def _records(log: StepLog):  # -> Iterator[dict]
             "lr": _value(columns["lr"][i]),
             "grad_norm": _value(columns["grad_norm"][i]),
             "loss_scale": _value(columns["loss_scale"][i]),
+            "attempted_scale": _value(columns["attempted_scale"][i]),
             "skipped": int(counts["skipped"][i]),
             "interval_steps": int(counts["interval_steps"][i]),
             "series": int(counts["series"][i]),

@@ -250,6 +250,9 @@ def _row(event: _Event, skipped: int, pending: list[_Event], interval: int) -> d
         "t": event.t,
         "lr": event.lr,
         "loss_scale": min(scales) if scales else math.nan,  # unknown between overflows (growth is silent)
+        "attempted_scale": next(
+            (e.attempted for e in pending if e.kind == "overflow" and math.isfinite(e.attempted)), math.nan
+        ),
         "skipped": skipped,
         "interval": interval,
     }
@@ -261,7 +264,8 @@ def _note_minimum(pending: list[_Event], step: int, log: StepLog) -> None:
 
 
 def _frame(rows: list[dict], source: str):
-    columns = {key: [r[key] for r in rows] for key in ("step", "rank", "t", "lr", "loss_scale", "skipped")}
+    keys = ("step", "rank", "t", "lr", "loss_scale", "attempted_scale", "skipped")
+    columns = {key: [r[key] for r in rows] for key in keys}
     columns["interval_steps"] = [r["interval"] for r in rows]
     columns["series"] = [r.get("series", 0) for r in rows]
     return normalize(columns, source=source)

@@ -28,12 +28,13 @@ from ciuic_doctor.importers import StepLog, intervals, normalize
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
-# interval_steps, series, nonfinite: written by `stability LOG --out RUN` for an imported log (a row per
-# logging interval, several engines or runs, NaN counts), absent from the watch probe's records.
+# interval_steps, series, nonfinite, attempted_scale: written by `stability LOG --out RUN` for an imported
+# log (a row per logging interval, several engines or runs, NaN counts, the scale an overflow attempted),
+# absent from the watch probe's records.
 WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm",
-          "interval_steps", "series", "nonfinite")  # fmt: skip
+          "interval_steps", "series", "nonfinite", "attempted_scale")  # fmt: skip
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
-            "interval_steps", "series")  # fmt: skip
+            "interval_steps", "series", "attempted_scale")  # fmt: skip
 _FLATTEN = bytes.maketrans(b",", b":")
 
 

@@ -33,6 +33,7 @@ from ciuic_doctor.store import RunDir, as_float
 # absent from the watch probe's records.
 WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm",
           "interval_steps", "series", "nonfinite", "attempted_scale")  # fmt: skip
+IMPORTED_ONLY = ("interval_steps", "series", "attempted_scale")
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
             "interval_steps", "series", "attempted_scale")  # fmt: skip
 _FLATTEN = bytes.maketrans(b",", b":")
@@ -56,12 +57,12 @@ def load(path: Path) -> StepLog:
     step = raw["step"]
     rank = raw["rank"]
     interval = intervals(step, rank)
-    written = pd.to_numeric(raw["interval_steps"], errors="coerce")
+    written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
     if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
         interval = written.fillna(interval)
     table = normalize(
         {
-            **{k: raw[k] for k in WANTED if k not in ("clip_max_norm", "interval_steps")},
+            **{k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps")},
             "interval_steps": interval,
         },
         source=f"ours:{path.name}",
@@ -205,7 +206,10 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
         ok &= (table[2 * position[key]] == f'"{key}"').to_numpy(dtype=bool, na_value=False)
     out = {"line": np.arange(n_lines)}
     for key in WANTED:
-        out[key] = table[2 * position[key] + 1] if key in position else np.nan
+        if key in position:
+            out[key] = table[2 * position[key] + 1]
+        elif key not in IMPORTED_ONLY:  # (a million NaNs per absent imported-only key is 8 MB each)
+            out[key] = np.nan
     frame = pd.DataFrame(out)
     written = (
         pd.to_numeric(frame["nonfinite"].astype("str").str.strip('"'), errors="coerce").fillna(0)
@@ -217,7 +221,8 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
         seen = text.isin(["nan", "inf", "-inf", "infinity", "-infinity"]).astype("int64")
         frame["nonfinite"] = np.maximum(seen, written)
         for key in _NUMERIC:
-            frame[key] = pd.to_numeric(frame[key].astype("str").str.strip('"'), errors="coerce")
+            if key in frame:
+                frame[key] = pd.to_numeric(frame[key].astype("str").str.strip('"'), errors="coerce")
     else:
         frame["nonfinite"] = written  # a non-finite loss is a quoted string, which only the text path reads
     if "skipped" in position:

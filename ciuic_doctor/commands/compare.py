@@ -26,7 +26,7 @@ import argparse
 NAME = "compare"
 HELP = "compare two runs: the change in every measurement, with a 95 % CI and the settings that differ"
 ORDER = 75
-OUTPUT = "comparison.json"
+OUTPUT = "comparison.json"  # report --baseline writes the same file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,16 +42,7 @@ class Comparison:
 
     def lines(self) -> list[str]:
         """What `ciuic-doctor compare` prints: the settings, then one line per finding."""
-        lines = [f"A (baseline) {self.run_a}", f"B            {self.run_b}"]
-        lines.append(f"settings: {headline(self.settings, limit=len(self.settings) or 1)}")
-        for f in self.findings:
-            lines.append(f"  {f.verdict.replace('_', ' '):8s} {f.check:14s} {f.summary}")
-        judged = sum(1 for f in self.findings if f.verdict != "not_run")
-        lines.append(
-            f"{judged} checks compared, each at 5 % (rows within a check Holm-corrected): across all of "
-            "them, a change that is only noise can still be called significant about once in 20 checks."
-        )
-        return lines
+        return summary_lines(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +80,26 @@ class Comparison:
                 for c in self.changes
             ]
         )
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """The printed comparison from its JSON form (comparison.json), so `checkup --baseline` can print
+    what `report --baseline` computed without computing it again."""
+    settings = [SettingChange(**s) for s in data.get("settings") or []]
+    prefix = f"{headline(settings)}: "
+    lines = [f"A (baseline) {data.get('run_a')}", f"B            {data.get('run_b')}"]
+    lines.append(f"settings: {headline(settings, limit=len(settings) or 1)}")
+    findings = data.get("findings") or []
+    for f in findings:
+        summary = str(f.get("summary", ""))
+        summary = summary[len(prefix) :] if summary.startswith(prefix) else summary
+        lines.append(f"  {str(f.get('verdict')).replace('_', ' '):8s} {f.get('check', ''):14s} {summary}")
+    judged = sum(1 for f in findings if f.get("verdict") != "not_run")
+    lines.append(
+        f"{judged} checks compared, each at 5 % (rows within a check Holm-corrected): across all of them, "
+        "a change that is only noise can still be called significant about once in 20 checks."
+    )
+    return lines
 
 
 def _batch(meta: dict[str, Any]) -> tuple[int, int] | None:

@@ -156,6 +156,9 @@ def _forest_plot(comparison: Comparison) -> str | None:
             color=colour.get(c.direction, plots.PALETTE[6]),
         )
     ax.axvline(0, color=plots.INK, linewidth=0.8)
+    # An interval from two checkpoint saves can span +1000 %: clip the axis, not the point estimates.
+    mids = [(c.ratio - 1) * 100 for c in rows]
+    ax.set_xlim(max(-100.0, min(mids) - 50), max(50.0, min(max(mids) + 50, 400.0)))
     ax.set_yticks(
         range(len(rows)), [plots._text(f"{c.metric} · {c.scope}") for c in reversed(rows)], fontsize=8
     )

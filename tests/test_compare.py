@@ -1,9 +1,9 @@
 """`ciuic-doctor compare` on real runs of the embedded job, and `report --baseline` on them.
 
 Three real jobs run at the same time (so they share whatever load the machine has): a baseline, a second
-run with the same settings, and one with `--inject slow-rank=1:60` (rank 1 sleeps 60 ms before every
+run with the same settings, and one with `--inject slow-rank=1:400` (rank 1 sleeps 400 ms before every
 forward, inside its time before backward). The comparison must call the same-settings pair unchanged and
-find the slow rank: the right rank, the right sign, and an interval that covers the 60 ms put there.
+find the slow rank: the right rank, the right sign, and an interval that covers the 400 ms put there.
 """
 
 from __future__ import annotations
@@ -17,8 +17,13 @@ import pytest
 
 from tests.conftest import run_cli
 
-STEPS = "30"
-SLOW_MS = 60.0
+STEPS = "24"
+# Rank 1 sleeps longer than a step takes, so the job's step time must grow even on a busy box: a shorter
+# sleep (60 ms, measured) is hidden when three jobs share 2 cores, as the sleeping rank frees a core for
+# the other ranks' compute. The sleep itself always lands in rank 1's time before backward.
+SLOW_MS = 400.0
+# No DataLoader workers: 12 fewer processes to start on a shared 2-core box (the settings stay equal).
+SETTINGS = ("--set", "dataloader.num_workers=0")
 GPU_RUN = Path(__file__).parent / "data" / "report_gpu"
 
 
@@ -26,9 +31,9 @@ GPU_RUN = Path(__file__).parent / "data" / "report_gpu"
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("compare")
     jobs = {
-        "base": ["job", "--steps", STEPS],
-        "same": ["job", "--steps", STEPS],
-        "slow": ["job", "--steps", STEPS, "--inject", f"slow-rank=1:{SLOW_MS:g}"],
+        "base": ["job", "--steps", STEPS, *SETTINGS],
+        "same": ["job", "--steps", STEPS, *SETTINGS],
+        "slow": ["job", "--steps", STEPS, *SETTINGS, "--inject", f"slow-rank=1:{SLOW_MS:g}"],
     }
     with ThreadPoolExecutor(len(jobs)) as pool:
         done = {
@@ -75,7 +80,7 @@ def test_slow_rank_is_found_with_the_right_sign_and_a_covering_interval(runs):
     assert step["evidence"]["change"] == "worse"
     assert step["evidence"]["significant"] is True
     assert step["evidence"]["ratio"] > 1
-    assert step["summary"].startswith("inject.slow_ranks.1 (unset) → 60: step time +")
+    assert step["summary"].startswith("inject.slow_ranks.1 (unset) → 400: step time +")
     throughput = _finding(data, "throughput")
     assert throughput["evidence"]["change"] == "worse"
     assert throughput["evidence"]["ratio"] < 1
@@ -86,7 +91,7 @@ def test_slow_rank_is_found_with_the_right_sign_and_a_covering_interval(runs):
     assert rank1["significant"]
     assert rank1["change"] == "worse"
     # The injected sleep is the true effect on rank 1's time before backward: its interval, in seconds
-    # added to A's mean, must cover the 60 ms (load on a shared box moves the rest, not the sleep).
+    # added to A's mean, must cover the 400 ms (load on a shared box moves the rest, not the sleep).
     added_low = rank1["a"] * (rank1["ci_low"] - 1)
     added_high = rank1["a"] * (rank1["ci_high"] - 1)
     assert added_low <= SLOW_MS / 1e3 <= added_high, (added_low, added_high)

@@ -17,7 +17,6 @@ from ciuic_doctor.compare.steps import job_series
 from ciuic_doctor.report import plots
 from ciuic_doctor.report.sections import Section, Table, bytes_cell
 from ciuic_doctor.store import RunDir, as_float
-from ciuic_doctor.units import format_size_short
 
 COLOURS = {"A": plots.PALETTE[6], "B": plots.PALETTE[0]}  # baseline grey, candidate blue
 STYLES = {"A": "--", "B": "-"}
@@ -207,48 +206,13 @@ def _series_plot(
 
 
 def _busbw_plot(records_a: list[dict[str, Any]], records_b: list[dict[str, Any]]) -> str | None:
-    """busbw vs size per collective, out-of-place, A dashed and B solid (one colour per algorithm)."""
-    series: dict[str, dict[tuple[str, str], dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
-    for run, records in (("A", records_a), ("B", records_b)):
-        for r in records:
-            busbw, size = as_float(r.get("busbw_gbps")), r.get("bytes")
-            if (
-                busbw is None
-                or not isinstance(size, int)
-                or r.get("inplace")
-                or r.get("status", "ok") != "ok"
-            ):
-                continue
-            series[str(r.get("collective"))][(str(r.get("algo") or "default"), run)][size] = busbw
-    names = [n for n in sorted(series) if {run for _, run in series[n]} == {"A", "B"}]
-    if not names:
-        return None
-    plt = plots._pyplot()
-    cols = min(3, len(names))
-    rows = -(-len(names) // cols)
-    fig, axes = plt.subplots(
-        rows, cols, figsize=(3.6 * cols, 2.6 * rows), squeeze=False, layout="constrained"
-    )
-    for ax, name in zip(axes.flat, names, strict=False):
-        algos = sorted({algo for algo, _ in series[name]})
-        for (algo, run), points in sorted(series[name].items()):
-            xs = sorted(points)
-            ax.plot(
-                xs,
-                [points[x] for x in xs],
-                linestyle=STYLES[run],
-                marker="o",
-                markersize=2,
-                color=plots.PALETTE[algos.index(algo) % len(plots.PALETTE)],
-                label=f"{plots._text(algo)} {run}",
-            )
-        ax.set_xscale("log", base=2)
-        ticks = sorted({x for pts in series[name].values() for x in pts})
-        shown = ticks[:: max(1, len(ticks) // 5)]
-        ax.set_xticks(shown, [format_size_short(t) for t in shown])
-        ax.set_title(plots._text(name))
-        ax.set_ylabel("busbw (GB/s)")
-        ax.legend(fontsize=7)
-    for ax in axes.flat[len(names) :]:
-        ax.set_visible(False)
-    return plots.to_svg(fig, "busbw per size, A dashed vs B solid")
+    """busbw vs size per collective, out-of-place, both runs on one panel: the report's own busbw plot
+    with each algorithm named per run ("ring · A", "ring · B")."""
+    both = {str(r.get("collective")) for r in records_a} & {str(r.get("collective")) for r in records_b}
+    merged = [
+        {**r, "algo": f"{r.get('algo') or r.get('algo_used') or 'default'} · {run}"}
+        for run, records in (("A", records_a), ("B", records_b))
+        for r in records
+        if not r.get("inplace") and str(r.get("collective")) in both
+    ]
+    return plots.busbw_plot(merged) if merged else None

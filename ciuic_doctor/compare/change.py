@@ -61,7 +61,7 @@ class Change:
             return f"{self.metric}: {self.note or 'not compared'}"
         text = f"{self.metric} {percent(self.ratio)}"
         if self.ci_low is not None and self.ci_high is not None:
-            text += f" (95 % CI {percent(self.ci_low)} … {percent(self.ci_high)})"
+            text += f" (95 % CI {interval(self.ci_low, self.ci_high)})"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,12 +74,25 @@ def percent(ratio: float) -> str:
     >>> percent(1.2), percent(0.996), percent(3.5)
     ('+20 %', '−0.4 %', '+250 %')
     """
+    return f"{_signed(ratio)} %"
+
+
+def interval(low: float, high: float) -> str:
+    """An interval of ratios as changes in per cent, one unit sign at the end: "−15 … −9 %".
+
+    >>> interval(0.85, 0.91), interval(0.995, 1.004)
+    ('−15 … −9 %', '−0.5 … +0.4 %')
+    """
+    return f"{_signed(low)} … {_signed(high)} %"
+
+
+def _signed(ratio: float) -> str:
     change = (ratio - 1.0) * 100.0
-    digits = 1 if abs(change) < 10 else 0
+    digits = 1 if abs(change) < 2 else 0  # 0.4 % needs its decimal; 12.3 % reads better as 12 %
     text = f"{abs(change):.{digits}f}"
     if float(text) == 0:
-        return "±0 %"
-    return f"{'+' if change > 0 else '−'}{text} %"
+        return "±0"
+    return f"{'+' if change > 0 else '−'}{text}"
 
 
 def judge_family(changes: list[Change], alpha: float = ALPHA) -> None:

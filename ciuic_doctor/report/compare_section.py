@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor.compare import Comparison
-from ciuic_doctor.compare.change import percent
+from ciuic_doctor.compare.change import interval, percent
 from ciuic_doctor.compare.steps import job_series
 from ciuic_doctor.report import plots
 from ciuic_doctor.report.sections import Section, Table, bytes_cell
@@ -77,11 +77,7 @@ def comparison_section(comparison: Comparison, baseline: RunDir, run: RunDir) ->
         )
     rows = []
     for c in comparison.changes:
-        ci = (
-            f"{percent(c.ci_low)} … {percent(c.ci_high)}"
-            if c.ci_low is not None and c.ci_high is not None
-            else "—"
-        )
+        ci = interval(c.ci_low, c.ci_high) if c.ci_low is not None and c.ci_high is not None else "—"
         rows.append(
             [
                 (c.check, c.check),

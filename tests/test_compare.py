@@ -167,3 +167,35 @@ def test_checkup_refuses_a_missing_baseline_before_measuring(tmp_path):
     assert result.returncode == 2
     assert "no such run directory" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_settings_diff_reads_spec_observed_injections_env_and_versions():
+    from ciuic_doctor.compare.settings import settings_diff
+
+    a = {
+        "spec": {"dataloader": {"num_workers": 2}, "distributed": {"env": {}}},
+        "observed": {"dataloader": {"num_workers": 2, "pin_memory": False}},
+        "env": {
+            "torch": "2.13.0",
+            "env": {"NCCL_ALGO": "Ring", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"},
+        },
+        "job_run": {"injections": None},
+    }
+    b = {
+        "spec": {"dataloader": {"num_workers": 0}, "distributed": {"env": {"NCCL_ALGO": "Tree"}}},
+        "observed": {"dataloader": {"num_workers": 0, "pin_memory": True}},
+        "env": {
+            "torch": "2.5.1",
+            "env": {"NCCL_ALGO": "Tree", "MASTER_PORT": "2", "TORCHELASTIC_RUN_ID": "y"},
+        },
+        "job_run": {"injections": {"slow_ranks": {"1": 60.0}, "spikes": None}},
+    }
+    found = [(c.source, c.text()) for c in settings_diff(a, b)]
+    assert found == [
+        ("spec", "dataloader.num_workers 2 → 0"),
+        ("spec", "distributed.env.NCCL_ALGO (unset) → Tree"),
+        ("observed", "dataloader.pin_memory false → true"),  # num_workers: said once, as the spec's
+        ("inject", "inject.slow_ranks.1 (unset) → 60"),
+        ("env", "env NCCL_ALGO Ring → Tree"),
+        ("version", "version.torch 2.13.0 → 2.5.1"),
+    ]

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor.compare import Comparison
-from ciuic_doctor.compare.change import interval, percent
+from ciuic_doctor.compare.change import UNJUDGED, interval, percent
 from ciuic_doctor.compare.steps import job_series
 from ciuic_doctor.report import plots
 from ciuic_doctor.report.sections import Section, Table, bytes_cell
@@ -88,7 +88,7 @@ def comparison_section(comparison: Comparison, baseline: RunDir, run: RunDir) ->
                 (percent(c.ratio), c.ratio) if c.ratio is not None else ("—", ""),
                 (ci, c.ci_low if c.ci_low is not None else ""),
                 _p(c.p_adjusted if c.p_adjusted is not None else c.p_value),
-                (c.direction if not c.note or c.ratio is not None else c.note, c.direction),
+                (c.note if c.direction == UNJUDGED and c.note else c.direction, c.direction),
             ]
         )
     section.tables.append(

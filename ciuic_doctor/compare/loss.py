@@ -134,11 +134,11 @@ def loss_finding(
         if outside
         else f"every step within the tolerance {tolerance:.3g} from the runs' own noise"
     )
-    sign = "+" if mean > 0 else "−"
+    shown = f"{_signed(mean)}, 95 % CI {_signed(low)} … {_signed(high)}"
     level = (
-        f"B's loss is {direction} on average ({sign}{abs(mean):.3g}, 95 % CI {low:+.3g} … {high:+.3g})"
+        f"B's loss is {direction} on average ({shown})"
         if change.significant
-        else f"no significant difference on average ({mean:+.3g}, 95 % CI {low:+.3g} … {high:+.3g})"
+        else f"no significant difference on average ({shown})"
     )
     return (
         Finding(
@@ -151,3 +151,8 @@ def loss_finding(
         ),
         change,
     )
+
+
+def _signed(value: float) -> str:
+    """+0.0123 / −0.0123 with a true minus sign, as the percentages are written."""
+    return f"{value:+.3g}".replace("-", "−")

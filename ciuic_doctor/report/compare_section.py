@@ -136,7 +136,11 @@ def _forest_plot(comparison: Comparison) -> str | None:
     if not rows:
         return None
     plt = plots._pyplot()
-    rows = rows[:40]  # a page, not a wall: the table has them all
+    # A page, not a wall: every comm-bench size would crowd out the rest, so only the sizes that changed
+    # significantly are drawn (the table below has them all).
+    rows = [c for c in rows if c.check != "busbw" or c.significant][:40]
+    if not rows:
+        return None
     fig, ax = plt.subplots(figsize=(9.5, 0.28 * len(rows) + 1.0), layout="constrained")
     colour = {"better": plots.PALETTE[2], "worse": plots.PALETTE[5]}
     for i, c in enumerate(reversed(rows)):

@@ -1,8 +1,13 @@
 """Compare two runs of a job: for every measurement both have, the change B / A with a 95 % confidence
 interval, whether it is more than the runs' own noise, and the settings that differ between them.
 
-    ciuic-doctor compare reports/before reports/after
-    dataloader.num_workers 2 → 0: step time −12 % (95 % CI −15 … −9 %): better, significant at 5 %
+    $ ciuic-doctor compare reports/base reports/slow
+    settings: inject.slow_ranks.1 (unset) → 60
+      warn     step_time      step time +51 % (95 % CI +14 … +100 %): worse, significant at 5 %
+      warn     throughput     samples/s −34 % (95 % CI −50 … −12 %): worse, significant at 5 %
+
+(each finding's summary in --json / comparison.json starts with the settings: "inject.slow_ranks.1
+(unset) → 60: step time +51 % (95 % CI +14 … +100 %): worse, significant at 5 %")
 
 Measurements: step time (after warm-up; overall and each rank's pace), throughput (samples/s, tokens/s),
 loss at matched steps (bit-identical said as such; otherwise a tolerance from the runs' own step-to-step

@@ -10,8 +10,9 @@ Each run is resampled on its own (two runs are independent), the statistic is th
 (mean step time, mean samples/s). The bootstrap gives the standard error of the log ratio (with blocks of
 BLOCK_FACTOR × the Politis-White length and a k / (k − 1) small-sample correction, see BLOCK_FACTOR); the
 95 % interval is log r ± t · se with the degrees of freedom counted in blocks, and the p-value is the same
-t test's, so p < alpha exactly when the interval excludes 1. Several comparisons in one check (per rank, per size, per configuration) are
-judged together with Holm's step-down correction, so "significant" keeps its 5 % meaning for the family.
+t test's, so p < alpha exactly when the interval excludes 1. Several comparisons in one check (per rank,
+per size, per configuration) are judged together with Holm's step-down correction, so "significant"
+keeps its 5 % meaning for the family.
 
 RNG seeds are fixed: the same two runs always give the same interval.
 

@@ -144,6 +144,8 @@ def test_compare_text_out_and_errors(tmp_path):
         r["change"] == "no significant change" for r in rows if not r["scope"].startswith("all_reduce")
     )
     assert "Holm" in busbw["summary"]
+    frame = run_cli("compare", str(a), str(b), "--json", check=True)  # the same rows, as --json prints
+    assert {c["check"] for c in json.loads(frame.stdout)["changes"]} >= {"busbw", "loader", "memory"}
     loader = _finding(saved, "loader")
     assert loader["verdict"] == "pass"
     assert loader["evidence"]["ratio"] == pytest.approx(1.0)

@@ -96,8 +96,9 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         lines.append(f"  {str(f.get('verdict')).replace('_', ' '):8s} {f.get('check', ''):14s} {summary}")
     judged = sum(1 for f in findings if f.get("verdict") != "not_run")
     lines.append(
-        f"{judged} checks compared, each at 5 % (rows within a check Holm-corrected): across all of them, "
-        "a change that is only noise can still be called significant about once in 20 checks."
+        f"{judged} checks compared, each at 5 % (rows within a check Holm-corrected): a check whose change "
+        "is only noise is still called significant once in 20. The intervals hold each run's own noise; "
+        "load that differed between the two runs' times is not in them (run the two close together)."
     )
     return lines
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor.analysis.loader import last_sweep, pool
-from ciuic_doctor.compare.change import Change, judge_family
+from ciuic_doctor.compare.change import Change
 from ciuic_doctor.compare.stats import MIN_SAMPLES, ratio_from_log_normal, ratio_of_means, t_interval
 from ciuic_doctor.store import as_float
 from ciuic_doctor.units import format_size_short
@@ -60,8 +60,7 @@ def loader_changes(records_a: list[dict[str, Any]], records_b: list[dict[str, An
             change.ci_low, change.ci_high = est.ci_low * scale, est.ci_high * scale
             change.p_value, change.method = est.p_value, est.method + " over timed groups"
         rows.append(change)
-    judge_family(rows)
-    return rows
+    return rows  # judged as a family by compare_runs
 
 
 # ---- comm ----------------------------------------------------------------------------------------
@@ -156,8 +155,7 @@ def comm_changes(records_a: list[dict[str, Any]], records_b: list[dict[str, Any]
                 change.ratio, change.ci_low, change.ci_high = est.ratio, est.ci_low, est.ci_high
                 change.p_value, change.method = est.p_value, est.method
             rows.append(change)
-    judge_family(rows)
-    return rows
+    return rows  # judged as a family by compare_runs
 
 
 # ---- checkpoint ----------------------------------------------------------------------------------
@@ -217,8 +215,7 @@ def checkpoint_changes(
             change.ci_low, change.ci_high, change.p_value = math.exp(low), math.exp(high), p
             change.method = "Welch t test of log times (geometric mean ratio)"
         rows.append(change)
-    judge_family(rows)
-    return rows
+    return rows  # judged as a family by compare_runs
 
 
 # ---- memwatch ------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ MIN_SAMPLES = 5  # fewer values than this say nothing about their own noise
 # which at the 40-60 steps of a short job still leaves it low. Measured, nominal 5 %: on AR(1) series
 # (phi 0.3-0.8, n 38-58) 1x gave 12-20 % false positives; on 40-step draws from a real recording of the
 # embedded job under load (tests/data/compare) 2x gave 11-13 %, 3x with the k / (k - 1) correction below
-# 7-8 % (tests/test_compare_stats.py, benchmarks/compare_fpr.py).
+# 6-9 % (12 % where the load holds for 16 steps at a time); AR(1) 5-8 % (benchmarks/compare_fpr.py).
 BLOCK_FACTOR = 3
 
 

@@ -17,7 +17,6 @@ Noise, per probe, from what the probe records:
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
 from collections import defaultdict
@@ -25,6 +24,7 @@ from typing import Any
 
 from ciuic_doctor.analysis.loader import last_sweep, pool
 from ciuic_doctor.compare.change import Change
+from ciuic_doctor.compare.loss import step_noise
 from ciuic_doctor.compare.stats import MIN_SAMPLES, ratio_from_log_normal, ratio_of_means, t_interval
 from ciuic_doctor.store import as_float
 from ciuic_doctor.units import format_size_short
@@ -116,14 +116,11 @@ def _between_run_noise(
             bw_a, bw_b = (as_float(by[key][inplace].get("busbw_gbps")) for by in (by_a, by_b))
             if bw_a and bw_b:
                 ratios[(collective, algo, inplace)].append((size, math.log(bw_b / bw_a)))
-    out = {}
-    for key, points in ratios.items():
-        series = [r for _, r in sorted(points)]
-        diffs = [b - a for a, b in itertools.pairwise(series)]
-        if len(diffs) >= MIN_SAMPLES - 1:
-            middle = statistics.median(diffs)
-            out[key] = 1.4826 * statistics.median(abs(d - middle) for d in diffs) / math.sqrt(2)
-    return out
+    return {
+        key: step_noise([r for _, r in sorted(points)])
+        for key, points in ratios.items()
+        if len(points) >= MIN_SAMPLES
+    }
 
 
 def comm_changes(records_a: list[dict[str, Any]], records_b: list[dict[str, Any]]) -> list[Change]:

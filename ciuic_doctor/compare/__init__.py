@@ -89,6 +89,8 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     prefix = f"{headline(settings)}: "
     lines = [f"A (baseline) {data.get('run_a')}", f"B            {data.get('run_b')}"]
     lines.append(f"settings: {headline(settings, limit=len(settings) or 1)}")
+    if any(s.key == "job.name" or s.key.startswith("model.") for s in settings):
+        lines.append("note: A and B train different models: each ratio compares the jobs, not one setting")
     findings = data.get("findings") or []
     for f in findings:
         summary = str(f.get("summary", ""))

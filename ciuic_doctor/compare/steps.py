@@ -155,7 +155,7 @@ def _throughput(
     for index, (metric, unit) in enumerate((("samples/s", "samples/s"), ("tokens/s", "tokens/s"))):
         change = Change(check="throughput", metric=metric, scope="overall", unit=unit, lower_is_better=False)
         if batch_a is None or batch_b is None or not batch_a[index] or not batch_b[index]:
-            change.note = "samples per step unknown (no job spec)"
+            change.note = "samples per step unknown: a run recorded no global batch"
         elif step.ratio is None:
             change.note = step.note
         else:

@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--skip", default="", metavar="LIST", help="phases to leave out, e.g. comm-bench,loader-sweep"
     )
     parser.add_argument("--strict", action="store_true", help="exit 1 when any check failed")
+    parser.add_argument(
+        "--baseline",
+        metavar="RUN",
+        help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
+        "checkup --baseline <first run>)",
+    )
 
 
 def _available(command: str) -> bool:
@@ -157,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.units import format_size_short
 
     spec = load_spec(args.spec)
+    baseline = RunDir.open(args.baseline) if args.baseline else None  # a wrong path fails before measuring
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
     nproc = args.nproc or spec.job.procs_per_node
@@ -210,12 +217,16 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.report import build_report
 
     t0 = time.perf_counter()
-    result = build_report(run_dir, spec_path=args.spec, analyze=True)
+    result = build_report(run_dir, spec_path=args.spec, analyze=True, baseline=baseline)
     checkup.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
     total_s = round(time.perf_counter() - started, 2)
     run_dir.update_meta(checkup={"phases": [asdict(p) for p in checkup.phases], "seconds": total_s})
     checkup.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
     print()
     print(result.summary)
+    if baseline is not None:
+        from ciuic_doctor.compare import summary_lines
+
+        print("\n".join(["", *summary_lines(run_dir.read_json("comparison.json"))]))
     print(f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}")
     return 1 if args.strict and result.overall == "fail" else 0

@@ -23,6 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reanalyze", action="store_true", help="run the analyses again even when findings.json is current"
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="RUN_A",
+        help="add a comparison with this earlier run (changes with 95 %% CIs, plots overlaid)",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the paths, not the summary")
 
 
@@ -33,8 +38,12 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.store import RunDir
 
     start = time.perf_counter()
+    baseline = RunDir.open(args.baseline) if args.baseline else None
     result = build_report(
-        RunDir.open(args.run), spec_path=args.spec, analyze=True if args.reanalyze else None
+        RunDir.open(args.run),
+        spec_path=args.spec,
+        analyze=True if args.reanalyze else None,
+        baseline=baseline,
     )
     if not args.quiet:
         print(result.summary)

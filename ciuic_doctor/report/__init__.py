@@ -60,10 +60,14 @@ def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
 
 
 def build_report(
-    run: RunDir, *, spec_path: str | Path | None = None, analyze: bool | None = None
+    run: RunDir,
+    *,
+    spec_path: str | Path | None = None,
+    analyze: bool | None = None,
+    baseline: RunDir | None = None,
 ) -> ReportResult:
     """Analyse (always with analyze=True, never with False, else when needed), recommend, check the seed
-    tips, and write every output file."""
+    tips, and write every output file; with `baseline`, add the comparison section (and comparison.json)."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
     from ciuic_doctor.report import files, html, plots, sections
@@ -87,6 +91,10 @@ def build_report(
     ]
     tips = evaluate_tips(Context(spec=spec, findings=findings, meta=meta), grad_norms=grad_norms)
     parts = sections.build_sections(streams, findings, meta)
+    if baseline is not None:
+        from ciuic_doctor.report.compare_section import write_comparison
+
+        parts.append(write_comparison(baseline, run))
     not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
     # A probe that ended badly but left records: its section shows them, and the verdicts say so.
     findings = [
@@ -129,6 +137,8 @@ def build_report(
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),
     }
+    if baseline is not None:
+        result.paths["comparison.json"] = run.path / "comparison.json"
     result.findings = [*findings, *plan.findings]
     result.overall = overall_verdict(result.findings)
     return result

@@ -20,6 +20,9 @@ Pure numpy; no torch, no records.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,16 @@ MIN_SEGMENT_FRACTION = 0.05
 ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
 ONE_OFF_SIGMAS = 6.0
 MAD_TO_SIGMA = 1.4826
+
+
+@contextlib.contextmanager
+def quiet_nan() -> Iterator[None]:
+    """Silence numpy's warnings for all-NaN rows (a rank without a value): they are handled as NaN."""
+    import numpy as np
+
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 @dataclass(kw_only=True)
@@ -64,6 +77,19 @@ def _grid(frame: pd.DataFrame, ranks: np.ndarray, steps: np.ndarray, column: str
     grid[rows, cols] = values  # duplicates (a restarted rank): the later record wins
     grid[~np.isfinite(grid)] = np.nan
     return grid
+
+
+def rank_step_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ranks, steps, ranks × steps values of `column`) from rows with a whole-number rank and step."""
+    import numpy as np
+    import pandas as pd
+
+    rank = pd.to_numeric(frame["rank"], errors="coerce") if "rank" in frame else pd.Series(dtype=float)
+    step = pd.to_numeric(frame["step"], errors="coerce") if "step" in frame else pd.Series(dtype=float)
+    keep = (rank.notna() & step.notna()).to_numpy()
+    frame = frame[keep].assign(rank=rank[keep].astype("int64"), step=step[keep].astype("int64"))
+    ranks, steps = np.unique(frame["rank"].to_numpy()), np.unique(frame["step"].to_numpy())
+    return ranks, steps, _grid(frame, ranks, steps, column)
 
 
 def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int) -> StepMatrix | None:
@@ -110,7 +136,7 @@ def normalised(values: np.ndarray) -> np.ndarray:
     """Each value over the lower median of its step's column (NaN where a step has no value)."""
     import numpy as np
 
-    with np.errstate(all="ignore"):
+    with quiet_nan():
         finite = np.isfinite(values)
         count = finite.sum(axis=0)
         ordered = np.sort(np.where(finite, values, np.inf), axis=0)  # NaN sorted last, as +inf
@@ -181,7 +207,7 @@ def classify(matrix: StepMatrix) -> list[RankPace]:
     import numpy as np
 
     norm = normalised(matrix.pace_s)
-    with np.errstate(all="ignore"):
+    with quiet_nan():
         level = np.nanmedian(norm, axis=1)
     n_steps = norm.shape[1]
     min_segment = max(MIN_SEGMENT_STEPS, int(MIN_SEGMENT_FRACTION * n_steps))
@@ -190,14 +216,14 @@ def classify(matrix: StepMatrix) -> list[RankPace]:
     splits = _change_points(clipped, min_segment) if n_steps >= 2 * min_segment else None
     if splits is not None:
         k_idx = np.arange(n_steps)[None, :] < splits[:, None]
-        with np.errstate(all="ignore"):
+        with quiet_nan():
             mean_before = np.where(k_idx, clipped, 0).sum(axis=1) / splits
             mean_after = np.where(~k_idx, clipped, 0).sum(axis=1) / (n_steps - splits)
         candidates = np.abs(mean_after - mean_before) >= SLOW_FRACTION / 2
     else:
         candidates = np.zeros(len(matrix.ranks), dtype=bool)
     # one-off steps: far above the others at that step, counted on every rank (vectorised)
-    with np.errstate(all="ignore"):
+    with quiet_nan():
         deviation = np.abs(norm - level[:, None])
         sigma = MAD_TO_SIGMA * np.nanmedian(deviation, axis=1)
         spikes = norm - level[:, None] >= np.maximum(ONE_OFF_FRACTION, ONE_OFF_SIGMAS * sigma)[:, None]

@@ -34,6 +34,7 @@ from ciuic_doctor.analysis._crossrank import (
     RankPace,
     StepMatrix,
     classify,
+    quiet_nan,
     slow_hosts,
     step_matrix,
 )
@@ -250,7 +251,7 @@ def _step_time(matrix: StepMatrix, paces: list[RankPace], own: list[RankPace]) -
     """Chronic stragglers: ranks slower than the others over the whole run (not explained by their host)."""
     import numpy as np
 
-    with np.errstate(all="ignore"):
+    with quiet_nan():
         step_medians = np.nanmedian(matrix.step_time_s, axis=1)
         pace_medians = np.nanmedian(matrix.pace_s, axis=1)
     index = {rank: i for i, rank in enumerate(matrix.ranks.tolist())}

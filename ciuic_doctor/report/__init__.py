@@ -87,6 +87,7 @@ def build_report(
     ]
     tips = evaluate_tips(Context(spec=spec, findings=findings, meta=meta), grad_norms=grad_norms)
     parts = sections.build_sections(streams, findings, meta)
+    beside = {name: run.write_text(name, text) for s in parts for name, text in s.files.items()}  # CSVs
     not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
     # A probe that ended badly but left records: its section shows them, and the verdicts say so.
     findings = [
@@ -128,6 +129,7 @@ def build_report(
         "recommended.toml": run.write_text("recommended.toml", files.spec_toml(spec, plan, run=run_name)),
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),
+        **beside,
     }
     result.findings = [*findings, *plan.findings]
     result.overall = overall_verdict(result.findings)

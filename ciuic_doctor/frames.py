@@ -77,6 +77,16 @@ class TableRead:
     def rows(self) -> int:
         return self.table.num_rows
 
+    def select(self, columns: Sequence[str]) -> TableRead:
+        """The same read, `columns` only (counts kept: they describe the files, not the columns)."""
+        return TableRead(
+            table=self.table.select(list(dict.fromkeys(columns))),
+            files=self.files,
+            dropped_lines=self.dropped_lines,
+            nulled_values=self.nulled_values,
+            parquet_files=self.parquet_files,
+        )
+
 
 def arrow_type(column: str) -> pyarrow.DataType:
     import pyarrow as pa
@@ -254,6 +264,39 @@ def read_table(files: Iterable[Path], columns: Sequence[str]) -> TableRead:
     return result
 
 
+# What the analyses and the report read of a stream, all together: the first reader reads them all, the
+# others take their columns from the cached table (one parse of a 610 MiB run instead of four).
+STREAM_COLUMNS = {
+    "steps": (
+        *("rank", "step", "t", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks"),
+        *("loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm", "rss", "uss"),
+        *("mem_allocated", "mem_reserved", "mem_active_peak", "alloc_retries", "inactive_split_bytes"),
+    )
+}
+_CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
+
+
+def _stamp(files: list[Path]) -> tuple:
+    return tuple((str(f), *map(int, source_stamp(f).split(b":"))) for f in files)
+
+
+def clear_cache() -> None:
+    """Forget the cached table (tests that rewrite a stream within one second of reading it)."""
+    _CACHE.clear()
+
+
 def read_stream(run: RunDir, stream: str, columns: Sequence[str]) -> TableRead:
-    """`columns` of every record of `stream` (shared file first, then per-rank files in rank order)."""
-    return read_table(run.stream_files(stream), columns)
+    """`columns` of every record of `stream` (shared file first, then per-rank files in rank order).
+
+    The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
+    the report of one `ciuic-doctor report` parse it once; only the last stream read is kept."""
+    files = run.stream_files(stream)
+    key, stamp = (str(run.path.resolve()), stream), _stamp(files)
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] == stamp and set(columns) <= set(cached[1].table.column_names):
+        return cached[1].select(columns)
+    wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]
+    read = read_table(files, wanted)
+    _CACHE.clear()
+    _CACHE[key] = (stamp, read)
+    return read.select(columns)

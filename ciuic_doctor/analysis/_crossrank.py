@@ -92,6 +92,21 @@ def rank_step_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.nda
     return ranks, steps, _grid(frame, ranks, steps, column)
 
 
+def last_host(frame: pd.DataFrame, ranks: np.ndarray) -> list[str | None]:
+    """Each rank's host: the last one its records name (vectorised; no Python loop over rows)."""
+    import numpy as np
+    import pandas as pd
+
+    if "host" not in frame:
+        return [None] * len(ranks)
+    codes, names = pd.factorize(frame["host"])
+    valid = codes >= 0
+    row_ranks, row_codes = frame["rank"].to_numpy()[valid][::-1], codes[valid][::-1]
+    seen, first = np.unique(row_ranks, return_index=True)  # reversed: the first seen is the last written
+    by_rank = dict(zip(seen.tolist(), row_codes[first].tolist(), strict=True))
+    return [str(names[by_rank[r]]) if r in by_rank else None for r in ranks.tolist()]
+
+
 def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int) -> StepMatrix | None:
     """The steps stream as matrices (rows with a whole-number rank and step only); None when empty."""
     import numpy as np
@@ -111,13 +126,7 @@ def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int
     steps = steady if len(steady) >= min_steady_steps else all_steps
     frame = frame[frame["step"].isin(steps)]
     ranks = np.unique(frame["rank"].to_numpy())
-    if "host" in frame:
-        hosts_by_rank = frame.groupby("rank")["host"].agg(
-            lambda h: h.dropna().iloc[-1] if h.notna().any() else None
-        )
-        hosts = [hosts_by_rank.get(r) for r in ranks.tolist()]
-    else:
-        hosts = [None] * len(ranks)
+    hosts = last_host(frame, ranks)
     step_time = _grid(frame, ranks, steps, "step_time_s")
     pace = _grid(frame, ranks, steps, "pre_backward_s")
     # pre_backward_s is the rank's own pace; without it (other tools' logs) step time is all there is
@@ -125,7 +134,7 @@ def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int
     return StepMatrix(
         ranks=ranks,
         steps=steps,
-        hosts=[None if h is None or pd.isna(h) else str(h) for h in hosts],
+        hosts=hosts,
         step_time_s=step_time,
         pace_s=pace if has_pace else step_time,
         pace_metric="pre_backward_s" if has_pace else "step_time_s",

@@ -239,7 +239,8 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     chosen = ranks.tolist() if len(ranks) <= rank_view.PER_RANK_LINES else (named or slowest[:1])
     chosen = list(dict.fromkeys(chosen))
     has_pace = bool(np.isfinite(pace_grid).any())
-    hosts = dict(zip(frame["rank"], frame["host"], strict=False))
+    table = rank_view.per_rank(frame)
+    hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
     labels = {r: f"rank {r} ({hosts[r]})" for r in chosen if isinstance(hosts.get(r), str)}
     # Under DDP every rank's step ends together: the outliers show in the pace, not in the step time.
     panels = [
@@ -266,7 +267,6 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     svg = band_plots.band_plot(panels, name="step time per step across ranks", ranks=len(ranks))
     if svg:
         section.plots.append(svg)
-    table = rank_view.per_rank(frame)
     if len(ranks) >= rank_view.TABLE_ROWS and table["host"].nunique() >= 2:
         hosts = table.set_index("rank").reindex(ranks)["host"].tolist()
         peak = table.set_index("rank").reindex(ranks)["peak_rss_bytes"].to_numpy(dtype=float) / 2**30

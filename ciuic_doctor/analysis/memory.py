@@ -237,14 +237,17 @@ def _meta_device_totals(meta: dict[str, Any]) -> list[int]:
 
 def _warm(series: Series) -> Series:
     """Drop the warm-up: the first WARMUP_STEPS steps (or none in time) and the first 10 % of the span."""
-    if not series.x:
+    import numpy as np
+
+    if not len(series.x):
         return series
-    first, last = min(series.x), max(series.x)
+    x, y = np.asarray(series.x, dtype=float), np.asarray(series.y, dtype=float)
+    first, last = x.min(), x.max()
     skip = (WARMUP_STEPS if series.x_unit == "step" else 0.0) + WARMUP_FRACTION * (last - first)
-    keep = [(x, y) for x, y in zip(series.x, series.y, strict=True) if x >= first + skip]
+    keep = x >= first + skip
     return Series(
-        x=[x for x, _ in keep],
-        y=[y for _, y in keep],
+        x=x[keep].tolist(),
+        y=y[keep].tolist(),
         **{k: getattr(series, k) for k in ("x_unit", "metric", "source", "pid", "host")},
     )
 
@@ -264,15 +267,14 @@ def _binned(x: list[float], y: list[float]) -> tuple[Any, Any]:
     if n <= MAX_POINTS:
         return xa, ya
     order = np.argsort(xa, kind="stable")
+    xa, ya = xa[order], ya[order]
     size, extra = divmod(n, MAX_POINTS)  # array_split: the first `extra` chunks hold one more
-    lengths = np.full(MAX_POINTS, size) + (np.arange(MAX_POINTS) < extra)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    index = starts[:, None] + np.arange(size + 1)[None, :]
-    valid = np.arange(size + 1)[None, :] < lengths[:, None]
-    index = np.where(valid, index, 0)
-    xs = np.where(valid, xa[order][index], np.nan)
-    ys = np.where(valid, ya[order][index], np.nan)
-    return np.nanmedian(xs, axis=1), np.nanmedian(ys, axis=1)
+    cut = extra * (size + 1)
+    xs = [np.median(xa[:cut].reshape(extra, size + 1), axis=1)] if extra else []
+    ys = [np.median(ya[:cut].reshape(extra, size + 1), axis=1)] if extra else []
+    xs.append(np.median(xa[cut:].reshape(MAX_POINTS - extra, size), axis=1))
+    ys.append(np.median(ya[cut:].reshape(MAX_POINTS - extra, size), axis=1))
+    return np.concatenate(xs), np.concatenate(ys)
 
 
 def _trend(series: Series) -> Trend | None:

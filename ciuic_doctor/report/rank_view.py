@@ -60,13 +60,13 @@ class StepRecords(list):
 
 def load_steps(run: RunDir) -> StepRecords:
     """Every rank's report columns (parallel, columnar) and the lowest rank's whole records."""
-    from ciuic_doctor.frames import read_table
+    from ciuic_doctor.frames import read_stream
     from ciuic_doctor.store import read_jsonl
 
     files = run.stream_files("steps")
     if not files:
         return StepRecords([], None)
-    frame = read_table(files, (*COLUMNS, *MEMORY_COLUMNS)).frame()
+    frame = read_stream(run, "steps", (*COLUMNS, *MEMORY_COLUMNS)).frame()
     shared = run.stream_path("steps")
     records: list[dict[str, Any]] = []
     for path in files[:2] if files[0] == shared else files[:1]:
@@ -83,8 +83,7 @@ def bands(steps: np.ndarray, grid: np.ndarray, *, unit: str, scale: float = 1.0)
     import numpy as np
     import pandas as pd
 
-    with quiet_nan():
-        q = np.nanpercentile(grid, [0, 50, 99, 100], axis=0) * scale
+    q = column_quantiles(grid, (0.0, 0.5, 0.99, 1.0)) * scale
     frame = pd.DataFrame(
         {"step": steps, f"min_{unit}": q[0], f"p50_{unit}": q[1], f"p99_{unit}": q[2], f"max_{unit}": q[3]}
     ).dropna()
@@ -96,6 +95,25 @@ def bands(steps: np.ndarray, grid: np.ndarray, *, unit: str, scale: float = 1.0)
         **{f"min_{unit}": (f"min_{unit}", "min"), f"max_{unit}": (f"max_{unit}", "max")},
         **{f"p50_{unit}": (f"p50_{unit}", "median"), f"p99_{unit}": (f"p99_{unit}", "median")},
     ).reset_index(drop=True)
+
+
+def column_quantiles(grid: np.ndarray, qs: Sequence[float]) -> np.ndarray:
+    """Quantiles of each column over its finite values (numpy's default 'linear' method), from one sort:
+    np.nanpercentile takes a slow path per column when a column holds NaN (~1.5 s at 1,024 × 2,000)."""
+    import numpy as np
+
+    ordered = np.sort(np.where(np.isfinite(grid), grid, np.nan), axis=0)  # NaN sorts last
+    count = np.isfinite(ordered).sum(axis=0)
+    out = np.full((len(qs), grid.shape[1]), np.nan)
+    has = count > 0
+    cols = np.flatnonzero(has)
+    for i, q in enumerate(qs):
+        position = q * (count[has] - 1)
+        low = np.floor(position).astype(int)
+        high = np.minimum(low + 1, count[has] - 1)
+        a, b = ordered[low, cols], ordered[high, cols]
+        out[i, cols] = a + (b - a) * (position - low)
+    return out
 
 
 def named_ranks(findings: Sequence[Finding], checks: Sequence[str], *, per_host: bool = False) -> list[int]:

@@ -176,9 +176,14 @@ class _StepColumns(Mapping):
         table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
         if not table.num_rows:
             return
-        # sorted by rank, then time (a record without a time first), in arrow: no 2 M-row Python loop
-        order = pc.sort_indices(table, [("rank", "ascending", "at_start"), ("t", "ascending", "at_start")])
-        table = table.take(order)
+        # sorted by rank, then time (a record without a time first), in arrow: no 2 M-row Python loop.
+        # Per-rank files in rank order, each in time order, are sorted already: check, don't sort.
+        rank = table["rank"].to_numpy()
+        t = table["t"].cast("float64").fill_null(-np.inf).to_numpy()
+        same = rank[1:] == rank[:-1]
+        if not ((rank[1:] >= rank[:-1]).all() and (t[1:][same] >= t[:-1][same]).all()):
+            keys = [("rank", "ascending", "at_start"), ("t", "ascending", "at_start")]
+            table = table.take(pc.sort_indices(table, keys))
         for name in self.COLUMNS:
             if name != "host":
                 self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.analysis._crossrank import quiet_nan
 from ciuic_doctor.findings import Finding
 
 if TYPE_CHECKING:

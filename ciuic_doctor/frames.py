@@ -54,8 +54,6 @@ COLUMN_TYPES = {
     "desync_ranks": "list<int64>",
     "grad_norm_source": "string",
 }
-PARQUET_SUFFIX = ".parquet"
-SOURCE_KEY = b"ciuic.source"  # Parquet metadata: size and mtime of the JSONL file it was made from
 MAX_THREADS = 8
 
 
@@ -101,30 +99,6 @@ def schema_for(columns: Sequence[str]) -> pyarrow.Schema:
     import pyarrow as pa
 
     return pa.schema([(c, arrow_type(c)) for c in columns])
-
-
-def parquet_path(jsonl: Path) -> Path:
-    """Where `compact` puts the Parquet copy of a JSONL stream file (beside it, same stem)."""
-    return jsonl.with_suffix(PARQUET_SUFFIX)
-
-
-def source_stamp(jsonl: Path) -> bytes:
-    stat = jsonl.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}".encode()
-
-
-def fresh_parquet(jsonl: Path) -> Path | None:
-    """The Parquet copy of `jsonl` when it was made from the file as it is now (size and mtime match)."""
-    import pyarrow.parquet as pq
-
-    target = parquet_path(jsonl)
-    if not target.is_file():
-        return None
-    try:
-        metadata = pq.read_metadata(target).metadata or {}
-        return target if metadata.get(SOURCE_KEY) == source_stamp(jsonl) else None
-    except (OSError, ValueError):  # a half-written or foreign file: read the JSONL instead
-        return None
 
 
 # ---- one file ------------------------------------------------------------------------------------
@@ -205,9 +179,11 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from ciuic_doctor.parquet_store import JSON_COLUMNS_KEY
+
     parquet = pq.ParquetFile(path)
     names = set(parquet.schema_arrow.names)
-    json_columns = set(json.loads((parquet.metadata.metadata or {}).get(b"ciuic.json_columns", b"[]")))
+    json_columns = set(json.loads((parquet.metadata.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")))
     present = [c for c in columns if c in names]
     table = parquet.read(columns=present, use_threads=False)
     out = {}
@@ -235,9 +211,11 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
 
 
 def _read_one(path: Path, columns: Sequence[str]) -> tuple[pyarrow.Table, int, dict[str, int], bool]:
+    from ciuic_doctor.parquet_store import fresh_parquet, skipped_lines
+
     parquet = fresh_parquet(path) if path.suffix == ".jsonl" else None
-    if parquet is not None:
-        return _read_parquet(parquet, columns), 0, {}, True
+    if parquet is not None:  # the torn lines compact skipped still count as dropped
+        return _read_parquet(parquet, columns), skipped_lines(parquet), {}, True
     return (*_read_jsonl(path, columns), False)
 
 
@@ -277,7 +255,10 @@ _CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
 
 
 def _stamp(files: list[Path]) -> tuple:
-    return tuple((str(f), *map(int, source_stamp(f).split(b":"))) for f in files)
+    from ciuic_doctor.parquet_store import fresh_parquet, source_stamp
+
+    # a Parquet copy made (or removed) since the last read changes the stamp too
+    return tuple((str(f), source_stamp(f), fresh_parquet(f) is not None) for f in files)
 
 
 def clear_cache() -> None:

@@ -8,6 +8,7 @@ strings like every plot of the report (`plots.to_svg`: theme colours, fluid widt
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,12 @@ if TYPE_CHECKING:
     import pandas as pd
 
 MAX_HOST_LABELS = 40  # tick labels on the heat-map's host axis; more would overlap
+MAX_HEAT_HOSTS = 64  # rows of the heat-map: beyond, a row is too thin to see
+
+
+def natural_key(name: str) -> list:
+    """node-96 before node-1025: digit runs compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _band(ax: Any, frame: pd.DataFrame, unit: str, color: str) -> None:
@@ -83,9 +90,24 @@ def host_heatmap(
     to the typical rank, peak memory); a slow host is a bright row, a slow rank a bright cell."""
     import numpy as np
 
-    names = sorted({h for h in hosts if h})
+    names = sorted({h for h in hosts if h}, key=natural_key)
     if len(names) < 2 or not values:
         return None
+    title_note = ""
+    if len(names) > MAX_HEAT_HOSTS:
+        # 1,250 hosts would be 1,250 one-pixel rows: show the hosts the first panel ranks highest
+        first = np.asarray(next(iter(values.values())), dtype=float)
+        worst: dict[str, float] = {}
+        for host, value in zip(hosts, first, strict=True):
+            if host and np.isfinite(value):
+                worst[host] = max(worst.get(host, -np.inf), value)
+        top = set(sorted(worst, key=lambda h: -worst[h])[:MAX_HEAT_HOSTS])
+        title_note = f" ({MAX_HEAT_HOSTS} of {len(names)} hosts: the highest first-panel values)"
+        names = [n for n in names if n in top]
+        keep = [h in top for h in hosts]
+        hosts = [h for h, k in zip(hosts, keep, strict=True) if k]
+        ranks = [r for r, k in zip(ranks, keep, strict=True) if k]
+        values = {t: np.asarray(v, dtype=float)[keep] for t, v in values.items()}
     row_of = {h: i for i, h in enumerate(names)}
     slots: dict[str, int] = {}
     cells = []
@@ -111,7 +133,7 @@ def host_heatmap(
         stride = max(1, -(-len(names) // MAX_HOST_LABELS))
         ax.set_yticks(range(0, len(names), stride), [_text(n) for n in names[::stride]], fontsize=7)
         ax.set_xlabel("rank within host")
-        ax.set_title(_text(title), fontsize=9)
+        ax.set_title(_text(title + (title_note if ax is axes[0][0] else "")), fontsize=9)
         ax.grid(False)
         fig.colorbar(image, ax=ax)
     return to_svg(fig, name)

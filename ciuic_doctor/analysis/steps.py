@@ -360,6 +360,7 @@ def _slow_host(matrix: StepMatrix, paces: list[RankPace], hosts: list, n_hosts: 
         why = "the step records name one host only" if n_hosts else "the step records name no host"
         return _pace_not_run("slow_host", f"{why}: no host to compare with another")
     evidence: dict[str, Any] = {
+        "excess_pct": hosts[0].excess_pct if hosts else 0.0,
         "hosts_checked": n_hosts,
         "slow_hosts": [
             {

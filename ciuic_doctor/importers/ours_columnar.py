@@ -13,10 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ciuic_doctor.importers import StepLog, intervals, normalize
-from ciuic_doctor.importers.ours import WANTED, _apply_meta
+from ciuic_doctor.importers.ours import _apply_meta
 from ciuic_doctor.store import RunDir
 
 MIN_FILES = 16
+# the watch probe's fields ours.load reads (its own WANTED may grow with fields only imported logs carry)
+WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
 
 
 def load(path: Path) -> StepLog:

@@ -136,14 +136,15 @@ def outlier_lines(
     *,
     scale: float = 1.0,
     labels: dict[int, str] | None = None,
+    limit: int = MAX_OUTLIERS,
 ) -> list[tuple[str, list[float], list[float]]]:
-    """(label, steps, values) of each chosen rank (at most MAX_OUTLIERS), as medians of at most
+    """(label, steps, values) of each chosen rank (at most `limit`), as medians of at most
     MAX_LINE_POINTS bins: a level that changes stays sharp, per-step jitter does not hide the band."""
     import numpy as np
 
     index = {int(r): i for i, r in enumerate(ranks.tolist())}
     lines = []
-    for rank in [r for r in chosen if r in index][:MAX_OUTLIERS]:
+    for rank in [r for r in chosen if r in index][:limit]:
         row = grid[index[rank]]
         keep = np.isfinite(row)
         xs, ys = steps[keep].astype(float), row[keep] * scale

@@ -56,6 +56,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     slowest = [int(ranks[i]) for i in np.argsort(-np.nan_to_num(level, nan=-1.0))[:2]]
     chosen = ranks.tolist() if len(ranks) <= rank_view.PER_RANK_LINES else (named or slowest[:1])
     chosen = list(dict.fromkeys(chosen))
+    limit = max(rank_view.PER_RANK_LINES, rank_view.MAX_OUTLIERS)  # a small run: every rank
     has_pace = bool(np.isfinite(pace_grid).any())
     table = rank_view.per_rank(frame)
     hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
@@ -68,7 +69,9 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
             "ylabel": "step time (ms)",
             "lines": []
             if has_pace
-            else rank_view.outlier_lines(ranks, step_ids, step_grid, chosen, scale=1e3, labels=labels),
+            else rank_view.outlier_lines(
+                ranks, step_ids, step_grid, chosen, scale=1e3, labels=labels, limit=limit
+            ),
         }
     ]
     if has_pace:
@@ -78,7 +81,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
                 "unit": "ms",
                 "ylabel": "before backward (ms)",
                 "lines": rank_view.outlier_lines(
-                    ranks, step_ids, pace_grid, chosen, scale=1e3, labels=labels
+                    ranks, step_ids, pace_grid, chosen, scale=1e3, labels=labels, limit=limit
                 ),
             }
         )
@@ -174,7 +177,8 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
     ranks, step_ids, grid = rank_step_grid(frame, key)
     named = rank_view.named_ranks(leaks, ("memory_leak",))
     chosen = ranks.tolist() if len(ranks) <= rank_view.PER_RANK_LINES else named
-    lines = rank_view.outlier_lines(ranks, step_ids, grid, chosen, scale=1 / 2**20)
+    limit = max(rank_view.PER_RANK_LINES, rank_view.MAX_OUTLIERS)
+    lines = rank_view.outlier_lines(ranks, step_ids, grid, chosen, scale=1 / 2**20, limit=limit)
     slopes: dict[int, float] = {}
     for leak in leaks:
         if (slope := as_float(leak.evidence.get("slope_bytes_per_step"))) is not None:

@@ -13,7 +13,9 @@ this rank is than the job's typical rank *at the same step*. From that normalise
 
 Significance is a z-test on the segment medians: shift > SIGNIFICANCE_Z × σ × √(1/n₁ + 1/n₂), σ the
 segments' pooled MAD (× 1.4826). Z = 5 leaves room for the 1,024 ranks × ~1,000 candidate splits each
-(the best split of pure noise has a z of about 3–4).
+(the best split of pure noise has a z of about 3–4). A chronic straggler passes that test on its
+level, or the one steps.py used before in seconds (excess > 2 × (its MAD + the typical MAD)), which a
+few noisy steps of a small job pass more easily.
 
 Pure numpy; no torch, no records.
 """
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 
 SLOW_FRACTION = 0.10  # a rank ≥ 10 % slower than the others' median is worth acting on
 SIGNIFICANCE_Z = 5.0
+NOISE_MADS = 2.0  # or: the excess in seconds beyond 2 × (its MAD + the typical rank's MAD)
 MIN_SEGMENT_STEPS = 10
 MIN_SEGMENT_FRACTION = 0.05
 ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
@@ -249,6 +252,11 @@ def _classify(matrix: StepMatrix, norm: np.ndarray) -> list[RankPace]:
         deviation = np.abs(norm - level[:, None])
         sigma = MAD_TO_SIGMA * np.nanmedian(deviation, axis=1)
         spikes = norm - level[:, None] >= np.maximum(ONE_OFF_FRACTION, ONE_OFF_SIGMAS * sigma)[:, None]
+        # the same test in seconds, as steps.py judged a straggler before (a short run's ratios are noisy
+        # when the typical pace is small: 8 steps of a tiny job under load)
+        raw_median = np.nanmedian(matrix.pace_s, axis=1)
+        raw_mad = np.nanmedian(np.abs(matrix.pace_s - raw_median[:, None]), axis=1) * MAD_TO_SIGMA
+        typical_s, typical_mad = np.nanmedian(raw_median), np.nanmedian(raw_mad)
     out: list[RankPace] = []
     for i, rank in enumerate(matrix.ranks.tolist()):
         pace = RankPace(rank=rank, host=matrix.hosts[i], level=float(level[i]), kind="ok")
@@ -270,7 +278,9 @@ def _classify(matrix: StepMatrix, norm: np.ndarray) -> list[RankPace]:
                     pace.before, pace.after = before, after
         if pace.kind == "ok" and level[i] - 1.0 >= SLOW_FRACTION:
             n = int(np.isfinite(row).sum())
-            if level[i] - 1.0 > SIGNIFICANCE_Z * float(sigma[i]) / max(1.0, np.sqrt(n)):
+            z_test = level[i] - 1.0 > SIGNIFICANCE_Z * float(sigma[i]) / max(1.0, np.sqrt(n))
+            seconds = raw_median[i] - typical_s > NOISE_MADS * (raw_mad[i] + typical_mad)
+            if z_test or seconds:
                 pace.kind = "chronic"
         one_off = matrix.steps[spikes[i]].tolist()
         if one_off:

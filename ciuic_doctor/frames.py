@@ -257,10 +257,15 @@ _CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
 
 
 def _stamp(files: list[Path]) -> tuple:
-    from ciuic_doctor.parquet_store import fresh_parquet, source_stamp
+    from ciuic_doctor.parquet_store import parquet_path, source_stamp
 
-    # a Parquet copy made (or removed) since the last read changes the stamp too
-    return tuple((str(f), source_stamp(f), fresh_parquet(f) is not None) for f in files)
+    def copy_stamp(jsonl: Path) -> bytes:
+        # a Parquet copy made (or removed) since the last read changes the stamp too; stat only, its
+        # metadata is read once per file by the read itself (4,096 files × every caller otherwise)
+        target = parquet_path(jsonl)
+        return source_stamp(target) if target.is_file() else b""
+
+    return tuple((str(f), source_stamp(f), copy_stamp(f)) for f in files)
 
 
 def clear_cache() -> None:

@@ -33,8 +33,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    pass
+
+from ciuic_doctor.analysis._memory_steps import StepColumns, binned
 from ciuic_doctor.analysis._trend import Trend, robust_trend
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import RunDir, as_float
@@ -82,12 +86,7 @@ class _Data:
         events = run.read("memwatch_events").records if run.has_stream("memwatch_events") else []
         start = next((r for r in events if r.get("kind") == "start"), {})
         self.nvml_reason: str | None = start.get("nvml_reason")  # None: NVML was there, or no events
-        self.steps: dict[int, list[dict[str, Any]]] = {}
-        for record in run.read("steps").records if run.has_stream("steps") else []:
-            if isinstance(record.get("rank"), int) and as_float(record.get("step")) is not None:
-                self.steps.setdefault(record["rank"], []).append(record)
-        for records in self.steps.values():
-            records.sort(key=lambda r: as_float(r.get("t")) or 0.0)
+        self.steps = StepColumns(run)
         last_role: dict[int, str] = {}
         for sample in self.samples:  # a pid's last role wins: a root relabelled "agent" stays one
             last_role[sample["pid"]] = sample["role"]
@@ -115,30 +114,30 @@ class _Data:
         return max((self.by_pid[p] for p in pids), key=len, default=[])
 
     def steps_field(self, rank: int, name: str) -> tuple[list[float], list[float]]:
-        xs, ys = [], []
-        for record in self.steps.get(rank, []):
-            value = as_float(record.get(name))
-            if value is not None and math.isfinite(value):
-                xs.append(float(record["step"]))
-                ys.append(value)
-        return xs, ys
+        import numpy as np
+
+        steps, values = self.steps.column(rank, "step"), self.steps.column(rank, name)
+        keep = np.isfinite(values) & np.isfinite(steps)
+        return steps[keep].tolist(), values[keep].tolist()
 
     def step_of(self, rank: int, times: list[float]) -> list[float] | None:
         """Each time as a (fractional) step of `rank`, by interpolating its step records' end times;
         None when the rank has too few steps. Times outside the stepped span become NaN."""
         import numpy as np
 
-        records = [r for r in self.steps.get(rank, []) if as_float(r.get("t")) is not None]
-        if len(records) < 2:
+        t, step = self.steps.column(rank, "t"), self.steps.column(rank, "step")
+        keep = np.isfinite(t) & np.isfinite(step)
+        if keep.sum() < 2:
             return None
-        t = np.array([float(r["t"]) for r in records])
-        step = np.array([float(r["step"]) for r in records])
-        out = np.interp(times, t, step, left=np.nan, right=np.nan)
+        out = np.interp(times, t[keep], step[keep], left=np.nan, right=np.nan)
         return [float(v) for v in out]
 
     def step_time_s(self, rank: int) -> float | None:
-        times = [v for r in self.steps.get(rank, []) if (v := as_float(r.get("step_time_s")))]
-        return statistics.median(times) if times else None
+        import numpy as np
+
+        times = self.steps.column(rank, "step_time_s")
+        times = times[np.isfinite(times) & (times != 0)]
+        return float(np.median(times)) if len(times) else None
 
 
 def _meta_device_totals(meta: dict[str, Any]) -> list[int]:
@@ -148,21 +147,24 @@ def _meta_device_totals(meta: dict[str, Any]) -> list[int]:
 
 def _warm(series: Series) -> Series:
     """Drop the warm-up: the first WARMUP_STEPS steps (or none in time) and the first 10 % of the span."""
-    if not series.x:
+    import numpy as np
+
+    if not len(series.x):
         return series
-    first, last = min(series.x), max(series.x)
+    x, y = np.asarray(series.x, dtype=float), np.asarray(series.y, dtype=float)
+    first, last = x.min(), x.max()
     skip = (WARMUP_STEPS if series.x_unit == "step" else 0.0) + WARMUP_FRACTION * (last - first)
-    keep = [(x, y) for x, y in zip(series.x, series.y, strict=True) if x >= first + skip]
+    keep = x >= first + skip
     return Series(
-        x=[x for x, _ in keep],
-        y=[y for _, y in keep],
+        x=x[keep].tolist(),
+        y=y[keep].tolist(),
         **{k: getattr(series, k) for k in ("x_unit", "metric", "source", "pid", "host")},
     )
 
 
 def _trend(series: Series) -> Trend | None:
     warm = _warm(series)
-    return robust_trend(warm.x, warm.y) if len(warm.x) >= MIN_POINTS else None
+    return robust_trend(*binned(warm.x, warm.y)) if len(warm.x) >= MIN_POINTS else None
 
 
 def _grows(trend: Trend, min_bytes: float) -> bool:
@@ -207,7 +209,7 @@ def _host_series(data: _Data, rank: int) -> Series | None:
     for metric in ("uss", "rss"):
         x, y = data.steps_field(rank, metric)
         if len(x) >= MIN_POINTS:
-            host = data.steps[rank][0].get("host")
+            host = data.steps.host(rank)
             candidates.append(Series(x=x, y=y, x_unit="step", metric=metric, source="steps", host=host))
             break
     usable = [s for s in candidates if len(_warm(s).x) >= MIN_POINTS]
@@ -217,7 +219,7 @@ def _host_series(data: _Data, rank: int) -> Series | None:
 def _device_series(data: _Data, rank: int) -> Series | None:
     x, y = data.steps_field(rank, "mem_allocated")
     if len(x) >= MIN_POINTS:
-        host = data.steps[rank][0].get("host")
+        host = data.steps.host(rank)
         return Series(x=x, y=y, x_unit="step", metric="mem_allocated", source="steps", host=host)
     samples = data.rank_samples(rank)
     if sum(s.get("gpu_bytes") is not None for s in samples) >= MIN_POINTS:
@@ -254,13 +256,77 @@ def _leaks(data: _Data) -> list[Finding]:
         shared_slope: dict[tuple[str | None, str], float] = {}
         for _, s, t in leaking:
             shared_slope[(s.host, s.x_unit)] = shared_slope.get((s.host, s.x_unit), 0.0) + t.slope
-        for rank, series, trend in fits:
-            findings.append(
-                _leak_finding(
-                    data, kind=kind, rank=rank, series=series, trend=trend, shared_slope=shared_slope
-                )
-            )
+        per_rank = [
+            _leak_finding(data, kind=kind, rank=rank, series=series, trend=trend, shared_slope=shared_slope)
+            for rank, series, trend in fits
+        ]
+        findings.append(_one_leak_finding(kind, per_rank))
     return findings
+
+
+MAX_NAMED = 32  # leaking ranks listed one by one in the evidence; the rest are counted
+
+
+def _growth_per_unit(finding: Finding) -> float:
+    ev = finding.evidence
+    return as_float(ev.get("slope_bytes_per_step", ev.get("slope_bytes_per_s"))) or 0.0
+
+
+def _one_leak_finding(kind: str, per_rank: list[Finding]) -> Finding:
+    """The job's one memory_leak finding of `kind`: the leaking ranks, worst (fail, then steepest) first.
+
+    Its flat evidence is the worst rank's (the contract in the module docstring); `ranks` lists each
+    leaking rank's slope and projection, `ranks_checked` how many ranks had a series to judge."""
+    judged = [f for f in per_rank if f.verdict != "not_run"]
+    leaking = sorted(
+        (f for f in judged if f.verdict in ("warn", "fail")),
+        key=lambda f: (f.verdict != "fail", -_growth_per_unit(f)),
+    )
+    not_judged = sorted(f.where["rank"] for f in per_rank if f.verdict == "not_run")
+    counts = {"ranks_checked": len(judged), "ranks_not_run": not_judged[:MAX_NAMED]}
+    if not judged:
+        return _not_run(
+            "memory_leak",
+            f"{kind} memory: too few points after warm-up on every one of {len(per_rank)} rank(s)",
+            kind=kind,
+            **counts,
+        )
+    if not leaking:
+        steepest = max(judged, key=_growth_per_unit)
+        ev = steepest.evidence
+        unit = "step" if "slope_bytes_per_step" in ev else "s"
+        return Finding(
+            probe=PROBE,
+            check="memory_leak",
+            verdict="pass",
+            summary=f"{kind} memory ({ev['metric']}) shows no leak on any of {len(judged)} rank(s): the "
+            f"steepest, rank {steepest.where['rank']}, {_growth_per_unit(steepest) / MIB:+.3f} MiB/{unit}, "
+            f"R² {ev['r2']:.2f}, trend z {ev['mann_kendall_z']:.1f}",
+            evidence={**ev, **counts, "steepest_rank": steepest.where["rank"], "leaking_ranks": 0},
+        )
+    worst = leaking[0]
+    ranks = [f.where["rank"] for f in leaking]
+    hosts = list(dict.fromkeys(f.where["host"] for f in leaking if f.where.get("host")))
+    named = []
+    for f in leaking[:MAX_NAMED]:
+        ev = f.evidence
+        entry = {"rank": f.where["rank"], "host": f.where.get("host"), "verdict": f.verdict}
+        for key in ("growth_mb_per_step", "growth_mb_per_s", "r2", "projected_oom_step", "projected_oom_s"):
+            if key in ev:
+                entry[key] = ev[key]
+        named.append(entry)
+    more = f"; {len(leaking) - 1} more rank(s) leak too" if len(leaking) > 1 else ""
+    where: dict[str, Any] = {"rank": ranks[0], "ranks": ranks, **({"hosts": hosts} if hosts else {})}
+    if worst.where.get("host"):
+        where["host"] = worst.where["host"]
+    return Finding(
+        probe=PROBE,
+        check="memory_leak",
+        verdict=worst.verdict,
+        summary=f"{worst.summary}{more} (of {len(judged)} ranks checked)",
+        evidence={**worst.evidence, **counts, "leaking_ranks": len(leaking), "ranks": named},
+        where=where,
+    )
 
 
 def _leak_finding(

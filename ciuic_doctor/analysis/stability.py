@@ -66,10 +66,11 @@ class Curve:
 
 def analyze(run: RunDir) -> list[Finding]:
     from ciuic_doctor.errors import UserError
-    from ciuic_doctor.importers import ours
+    from ciuic_doctor.importers import ours, ours_columnar
 
     try:
-        log = ours.load(run.path)
+        many = len(run.stream_files("steps")) >= ours_columnar.MIN_FILES  # issue 15: 1,024 rank files
+        log = ours_columnar.load(run.path) if many else ours.load(run.path)
     except UserError as exc:
         return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary=str(exc))]
     return analyze_log(log)

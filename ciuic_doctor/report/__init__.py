@@ -95,6 +95,7 @@ def build_report(
         from ciuic_doctor.report.compare_section import write_comparison
 
         parts.append(write_comparison(baseline, run))
+    beside = {name: run.write_text(name, text) for s in parts for name, text in s.files.items()}  # CSVs
     not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
     # A probe that ended badly but left records: its section shows them, and the verdicts say so.
     findings = [
@@ -136,6 +137,7 @@ def build_report(
         "recommended.toml": run.write_text("recommended.toml", files.spec_toml(spec, plan, run=run_name)),
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),
+        **beside,
     }
     if baseline is not None:
         result.paths["comparison.json"] = run.path / "comparison.json"

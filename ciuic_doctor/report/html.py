@@ -58,8 +58,12 @@ def provenance(
         {str(r["host"]) for recs in streams.values() for r in recs[:5000] if r.get("host")}
         | ({str(env["host"])} if env.get("host") else set())
     )
+    steps = streams.get("steps", [])
+    hosts = sorted({*hosts, *getattr(steps, "hosts", [])})  # rank_view.StepRecords: every rank's hosts
     world = [r.get("world_size") for r in streams.get("comm", []) if isinstance(r.get("world_size"), int)]
-    ranks = {r.get("rank") for r in streams.get("steps", []) if isinstance(r.get("rank"), int)}
+    ranks = set(
+        getattr(steps, "ranks", None) or {r.get("rank") for r in steps if isinstance(r.get("rank"), int)}
+    )
     world_size = (
         max(world) if world else (len(ranks) if ranks else (env.get("world") or {}).get("world_size"))
     )
@@ -104,6 +108,25 @@ def environment_rows(meta: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+WHERE_LIST_ITEMS = 8  # a finding's where.ranks of a 1,024-rank job: the first few, then a count
+
+
+def where_text(where: dict[str, Any] | None) -> str:
+    """A finding's `where` on one line; long lists (ranks, hosts) show their first items and a count.
+
+    >>> where_text({"rank": 3, "ranks": list(range(3, 20))})
+    'rank=3 ranks=3, 4, 5, 6, 7, 8, 9, 10 … (+9)'
+    """
+    parts = []
+    for key, value in (where or {}).items():
+        text = str(value)
+        if isinstance(value, list):
+            more = f" … (+{len(value) - WHERE_LIST_ITEMS})" if len(value) > WHERE_LIST_ITEMS else ""
+            text = ", ".join(str(v) for v in value[:WHERE_LIST_ITEMS]) + more
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
 def _template_env():
     import jinja2
 
@@ -115,7 +138,7 @@ def _template_env():
         lstrip_blocks=True,
     )
     env.filters["verdict_label"] = lambda v: VERDICT_LABEL.get(v, v)
-    env.filters["where"] = lambda w: " ".join(f"{k}={v}" for k, v in (w or {}).items())
+    env.filters["where"] = where_text
     return env
 
 

@@ -7,7 +7,8 @@ text (`svg.fonttype = none`): smaller files, selectable labels.
 
 Every function takes plain records (as the store reads them) and returns an SVG string, or None when the
 records hold nothing to draw. Long series are thinned to MAX_POINTS per line; markers (spikes, skipped
-steps) are drawn from every record, so thinning never hides an event.
+steps) are drawn from every record, so thinning never hides an event. Step time and memory across ranks
+are cross-rank bands, drawn by `band_plots` from `rank_view`'s frames.
 """
 
 from __future__ import annotations
@@ -171,76 +172,6 @@ def _by_rank(records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]
     for rows in ranks.values():
         rows.sort(key=lambda r: r["step"])
     return dict(sorted(ranks.items()))
-
-
-def memory_field(records: Sequence[dict[str, Any]]) -> str | None:
-    """The memory series worth drawing: CUDA allocated when present; else USS (no shared pages) when it is
-    recorded about as often as RSS (watch may read USS only every few steps, it is slow); else RSS."""
-    coverage = {
-        key: sum(1 for r in records if (_num(r, key) or 0) > 0) for key in ("mem_allocated", "uss", "rss")
-    }
-    if coverage["mem_allocated"]:
-        return "mem_allocated"
-    if coverage["uss"] and coverage["uss"] >= 0.8 * coverage["rss"]:
-        return "uss"
-    return "rss" if coverage["rss"] else ("uss" if coverage["uss"] else None)
-
-
-def step_memory_plot(records: Sequence[dict[str, Any]], leaks: Sequence[Finding] = ()) -> str | None:
-    """Memory over steps per rank, with each leak finding's fitted line (slope from the finding)."""
-    key = memory_field(records)
-    if key is None:
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 3.2), layout="constrained")
-    for i, (rank, rows) in enumerate(_by_rank(records).items()):
-        pts = [(r["step"], v) for r in rows if (v := _num(r, key)) is not None]
-        if not pts:
-            continue
-        xs, ys = _thin([p[0] for p in pts], [p[1] / 2**20 for p in pts])
-        color = PALETTE[i % len(PALETTE)]
-        ax.plot(xs, ys, linewidth=1.3, color=color, label=f"rank {rank}")
-        for leak in leaks:
-            slope = as_float(leak.evidence.get("slope_bytes_per_step"))
-            if slope is None or leak.where.get("rank", rank) != rank:
-                continue
-            # Theil-Sen style intercept: the median of y - slope·x, so the line sits on the data.
-            offsets = sorted(p[1] - slope * p[0] for p in pts)
-            b = offsets[len(offsets) // 2]
-            x0, x1 = pts[0][0], pts[-1][0]
-            ax.plot(
-                [x0, x1],
-                [(b + slope * x0) / 2**20, (b + slope * x1) / 2**20],
-                linestyle="--",
-                color=INK,
-                linewidth=1.2,
-                label=f"leak fit rank {rank}: {slope / 2**20:+.3g} MiB/step",
-            )
-    label = {"mem_allocated": "CUDA allocated", "uss": "USS", "rss": "RSS"}[key]
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"{label} (MiB)")
-    ax.legend(fontsize=8, ncol=2)
-
-    return to_svg(fig, f"memory ({label}) over steps per rank")
-
-
-def step_time_plot(records: Sequence[dict[str, Any]]) -> str | None:
-    """Step time per rank over steps (a straggler shows as one line above the others)."""
-    ranks = _by_rank(records)
-    if not any(_num(r, "step_time_s") is not None for rows in ranks.values() for r in rows):
-        return None
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 2.8), layout="constrained")
-    for rank, rows in ranks.items():
-        pts = [(r["step"], v * 1e3) for r in rows if (v := _num(r, "step_time_s")) is not None]
-        if pts:
-            xs, ys = _thin([p[0] for p in pts], [p[1] for p in pts])
-            ax.plot(xs, ys, linewidth=1.1, label=f"rank {rank}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time (ms)")
-    ax.legend(fontsize=8, ncol=4)
-
-    return to_svg(fig, "step time per rank")
 
 
 def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] = ()) -> str | None:

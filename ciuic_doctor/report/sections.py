@@ -6,14 +6,13 @@ checkup's phase log or meta.json's probe record), so an absent check is never mi
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic_doctor.findings import Finding, sort_findings
-from ciuic_doctor.report import plots
+from ciuic_doctor.report import plots, rank_view
 from ciuic_doctor.store import RunDir, as_float
 from ciuic_doctor.units import format_bytes, format_size_short
 
@@ -24,6 +23,7 @@ class Table:
     headers: list[str]
     rows: list[list[tuple[str, Any]]]  # (shown text, sort key) per cell
     numeric: list[int] = field(default_factory=list)  # right-aligned columns
+    csv: str = ""  # a file beside report.html with every row (when the table shows only some)
 
 
 @dataclass(kw_only=True)
@@ -40,6 +40,7 @@ class Section:
     plots: list[str] = field(default_factory=list)
     tables: list[Table] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)  # name -> text, written beside report.html
 
 
 BUSBW_NOTE = (
@@ -198,56 +199,13 @@ def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
         )
 
 
-def job_content(section: Section, steps: list[dict[str, Any]]) -> None:
-    svg = plots.step_time_plot(steps)
-    if svg:
-        section.plots.append(svg)
-    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for r in steps:
-        if isinstance(r.get("step"), int) and (rank := plots.rank_of(r)) is not None:
-            by_rank[rank].append(r)
-    rows = []
-    for rank, rs in sorted(by_rank.items()):
-        times = [t for r in rs if (t := as_float(r.get("step_time_s"))) is not None]
-        losses = [x for r in rs if (x := as_float(r.get("loss"))) is not None]
-        rss = [x for r in rs if (x := as_float(r.get("rss"))) is not None]
-        rows.append(
-            [
-                _cell(rank),
-                _cell(rs[0].get("host")),
-                _cell(len(rs)),
-                _cell(statistics.median(times) * 1e3 if times else None, ".1f"),
-                _cell(max(times) * 1e3 if times else None, ".1f"),
-                _cell(losses[-1] if losses else None, ".4g"),
-                _cell(sum(1 for r in rs if r.get("skipped"))),
-                bytes_cell(max(rss) if rss else None),
-            ]
-        )
-    if rows:
-        section.tables.append(
-            Table(
-                title="Per rank",
-                headers=[
-                    "rank",
-                    "host",
-                    "steps",
-                    "median step ms",
-                    "max step ms",
-                    "last loss",
-                    "skipped",
-                    "peak RSS",
-                ],
-                rows=rows,
-                numeric=[0, 2, 3, 4, 5, 6, 7],
-            )
-        )
-
-
 def memory_content(
     section: Section, steps: list[dict[str, Any]], samples: list[dict[str, Any]], findings: Sequence[Finding]
 ) -> None:
+    from ciuic_doctor.report.steps_section import step_memory_svg
+
     leaks = [f for f in findings if f.check == "memory_leak" and f.verdict in ("warn", "fail")]
-    svg = plots.step_memory_plot(steps, leaks)
+    svg = step_memory_svg(steps, leaks)
     if svg:
         section.plots.append(svg)
     svg = plots.memwatch_plot(samples)
@@ -358,8 +316,12 @@ STREAMS = ("comm", "steps", "memwatch", "loader", "checkpoint")
 
 
 def load_streams(run: RunDir) -> dict[str, list[dict[str, Any]]]:
-    """The records of every stream the report draws (torn lines skipped by the store)."""
-    return {name: run.read(name).records for name in STREAMS}
+    """The records of every stream the report draws (torn lines skipped by the store). `steps` is a
+    rank_view.StepRecords: the lowest rank's records as a list, every rank's report columns as `.frame`
+    (read column-wise: 2 M step records of a 1,024-rank run are never made into dicts)."""
+    return {
+        name: rank_view.load_steps(run) if name == "steps" else run.read(name).records for name in STREAMS
+    }
 
 
 def build_sections(
@@ -386,10 +348,17 @@ def build_sections(
         if section.id == "comm":
             comm_content(section, streams["comm"])
         elif section.id == "job":
-            job_content(section, streams["steps"])
+            # Imported here: steps_section builds on this module's Section and Table.
+            from ciuic_doctor.report.steps_section import job_content
+
+            job_content(section, streams["steps"], section.findings)
         elif section.id == "stability":
             events = [
-                f for f in findings if f.where.get("step") is not None and f.verdict in ("warn", "fail")
+                f
+                for f in findings
+                if f.probe == "stability"
+                and f.where.get("step") is not None
+                and f.verdict in ("warn", "fail")
             ]
             svg = plots.stability_plot(streams["steps"], events)
             if svg:

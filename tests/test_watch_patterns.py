@@ -329,3 +329,47 @@ def test_a_script_that_steps_no_optimizer_says_so(tmp_path):
     assert done.returncode == 0
     assert "no optimizer step was seen" in done.stderr
     assert RunDir.open(tmp_path / "run").read_meta()["probes"]["watch"]["status"] == "finished"
+
+
+# ---- however the process ends, meta.json says how ----------------------------------------------------
+ENDINGS = """
+    import os, sys, time, torch
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    print("trained", flush=True)
+    if sys.argv[1] == "os_exit":
+        os._exit(3)
+    time.sleep(120)  # blocked in C, as a rank in a collective is: SIGTERM must still end it
+"""
+
+
+@pytest.mark.parametrize("ending", ["os_exit", "sigterm"])
+def test_meta_says_how_the_job_ended_even_past_every_finally(tmp_path, ending):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = write(tmp_path, "endings.py", ENDINGS)
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "ciuic_doctor", "watch", "--out", str(out), "--", str(script), ending]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "trained"
+        if ending == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    watch = RunDir.open(out).read_meta()["probes"]["watch"]
+    if ending == "os_exit":
+        assert (code, watch["status"], watch["exit_code"]) == (3, "exited", 3)
+    else:
+        assert (code, watch["status"], watch["exit_code"]) == (143, "killed", 143)
+    assert watch["steps"] == 2
+    assert [r["step"] for r in steps_of(out)] == [1, 2]

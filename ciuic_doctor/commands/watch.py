@@ -11,13 +11,15 @@ counters, RSS and USS, and a cross-rank weight checksum every --checksum-every s
 steps are recorded (`optimizer`: index in creation order, `optimizer_class`). Ranks the script starts
 itself (torch.multiprocessing.spawn, a re-run of its own argv as Lightning devices=2 does) record their
 own streams. No device sync per step. Records are on disk as they are made (kill -9 keeps every finished
-step); the exit code is the script's; meta.json's probes.watch.status says how it ended.
+step); the exit code is the script's; meta.json's probes.watch.status says how it ended: finished,
+failed (exit_code), interrupted (Ctrl-C, 130), exited (os._exit) or killed (SIGTERM, 143).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from ciuic_doctor.commands._common import add_out, positive_float, positive_int
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ciuic_doctor.probes import watch_children
+    from ciuic_doctor.probes import watch_children, watch_exit
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach
 
@@ -106,6 +108,18 @@ def run(args: argparse.Namespace) -> int:
         follow_children=not args.no_follow,
         probe_fields={"argv": argv},
     )
+    started = time.time()
+
+    def report(status: str, code: int) -> None:
+        children = watch_children.children_started()
+        _report(session, args, argv, code=code, status=status, children=children, since=started)
+
+    def on_abrupt_end(status: str, code: int) -> None:  # os._exit or SIGTERM: no finally will run
+        if status == "exited":  # os._exit, on the script's own thread: pending records can be written
+            session.close()
+        report(status, code)
+
+    undo_exit = watch_exit.install(on_abrupt_end)
     code, status = 1, "failed"
     try:
         code = run_script(argv)
@@ -114,13 +128,21 @@ def run(args: argparse.Namespace) -> int:
         status = "failed"
         raise
     finally:
+        undo_exit()
         session.close()
-        _report(session, args, argv, code=code, status=status, children=watch_children.children_started())
+        report(status, code)
     return code
 
 
 def _report(
-    session: Any, args: argparse.Namespace, argv: list[str], *, code: int, status: str, children: int
+    session: Any,
+    args: argparse.Namespace,
+    argv: list[str],
+    *,
+    code: int,
+    status: str,
+    children: int,
+    since: float,
 ) -> None:
     """The closing line on stderr and, from the launching process, how the job ended in meta.json."""
     where = session.run.stream_path("steps", session.rank)
@@ -130,7 +152,7 @@ def _report(
         return
     steps_all = session.steps_written
     if children:
-        steps_all = len(session.run.read("steps").records)
+        steps_all = sum(1 for r in session.run.read("steps").records if (r.get("t") or 0) >= since)
     fields = {"status": status, "exit_code": code, "steps": session.steps_written, "segment": session.segment}
     if children:
         fields.update(children=children, steps_all_processes=steps_all)

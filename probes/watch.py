@@ -34,13 +34,21 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ciuic_doctor.analysis.steps import differing_ranks
-from ciuic_doctor.probes import watch_children, watch_frameworks
+from ciuic_doctor.probes import watch_children, watch_frameworks, watch_hooks
+from ciuic_doctor.probes.watch_steps import (
+    Group,
+    OptimizerState,
+    grad_norm,
+    merge_values,
+    norm_source,
+    optimizer_params,
+    total_loss,
+)
 from ciuic_doctor.probes.watch_target import exit_code, run_script  # noqa: F401 - the public runner
 from ciuic_doctor.probes.watch_values import (
     PendingQueue,
@@ -74,34 +82,6 @@ class WatchConfig:
     snapshot_on_leak: bool = False  # CUDA only: dump a memory snapshot when allocated memory keeps growing
     agree_timeout_s: float = 60.0  # how long step 1 waits for every rank to say it is watched
     follow_children: bool = True  # mp.spawn ranks and re-executed argv record their own streams
-
-
-@dataclass(kw_only=True)
-class _Group:
-    """The backward calls since the last optimizer step: the gradients the next step(s) use."""
-
-    losses: list[torch.Tensor] = field(default_factory=list)
-    backward_calls: int = 0
-    t_first_backward: float | None = None
-    clip_norm: torch.Tensor | None = None
-    clip_max_norm: float | None = None
-    scaler: Any = None  # an enabled GradScaler that scaled this group's loss
-    scale_used: torch.Tensor | None = None  # the scale it multiplied the loss by
-    sealed: bool = False  # an optimizer stepped on it: the next backward starts a new group
-
-
-@dataclass(kw_only=True)
-class _Optimizer:
-    """One optimizer's identity and the step it is in."""
-
-    ref: weakref.ref
-    index: int
-    name: str
-    count: int = 0  # steps recorded in this session
-    t_prev_end: float | None = None
-    grad_norm: torch.Tensor | None = None  # computed for the step in progress
-    stepped: bool = False  # the step in progress reached the optimizer (not skipped by a scaler)
-    group: _Group | None = None  # the group of a step that waits for scaler.update()
 
 
 def current() -> WatchSession | None:
@@ -141,13 +121,13 @@ class WatchSession:
         self._first_step = 0  # the run's last step on this rank when this session began
         self._queue = PendingQueue(finish=self._write)
         self._uss = UssSampler(every=config.uss_every)
-        self._group = _Group()
-        self._optimizers: weakref.WeakKeyDictionary[Any, _Optimizer] = weakref.WeakKeyDictionary()
+        self._group = Group()
+        self._optimizers: weakref.WeakKeyDictionary[Any, OptimizerState] = weakref.WeakKeyDictionary()
         self._created: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self._n_created = 0
-        self._primary: _Optimizer | None = None  # the first to step: its steps carry the checksum
+        self._primary: OptimizerState | None = None  # the first to step: its steps carry the checksum
         self._in_scaler_step: set[int] = set()  # id() of optimizers inside GradScaler.step
-        self._awaiting_update: list[_Optimizer] = []
+        self._awaiting_update: list[OptimizerState] = []
         self._reevaluating = 0  # inside a closure's second or later evaluation
         self._framework_step: Callable[[], int | None] | None = None
         self._replicas: list[Replicas] = []
@@ -246,83 +226,17 @@ class WatchSession:
 
         session = self
 
-        def make_backward(original: Callable) -> Callable:
-            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-                # Re-entrant activation checkpointing calls backward inside backward: not a new loss.
-                if session._backward_depth == 0:
-                    session._guarded(session._on_backward, tensors)
-                session._backward_depth += 1
-                try:
-                    return original(tensors, *args, **kwargs)
-                finally:
-                    session._backward_depth -= 1
-
-            return backward
-
-        def make_clip(original: Callable) -> Callable:
-            def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-                total = original(*args, **kwargs)
-                max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
-                session._guarded(session._on_clip, total, max_norm)
-                return total
-
-            return clip_grad_norm_
-
-        def make_scale(original: Callable) -> Callable:
-            def scale(scaler: Any, outputs: Any) -> Any:
-                result = original(scaler, outputs)
-                session._guarded(session._on_scale, scaler, outputs, result)
-                return result
-
-            return scale
-
-        def make_scaler_step(original: Callable) -> Callable:
-            def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                if not scaler.is_enabled():  # a disabled scaler calls optimizer.step() and nothing else
-                    return original(scaler, optimizer, *args, **kwargs)
-                session._guarded(session._on_scaler_step, optimizer)
-                session._in_scaler_step.add(id(optimizer))
-                try:
-                    return original(scaler, optimizer, *args, **kwargs)
-                finally:
-                    session._in_scaler_step.discard(id(optimizer))
-
-            return step
-
-        def make_update(original: Callable) -> Callable:
-            def update(scaler: Any, new_scale: Any = None) -> None:
-                found = session._guarded(session._found_inf, scaler) if new_scale is None else None
-                original(scaler, new_scale)
-                if scaler.is_enabled() and session._awaiting_update:
-                    session._guarded(session._flush_awaiting, scaler=scaler, found_inf=found or {})
-
-            return update
-
-        def make_ddp_init(original: Callable) -> Callable:
-            def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-                original(ddp, *args, **kwargs)
-                session._guarded(session.watch_replicas, ddp.module, getattr(ddp, "process_group", None))
-
-            return __init__
-
-        def make_optimizer_init(original: Callable) -> Callable:
-            def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-                original(optimizer, *args, **kwargs)
-                session._guarded(session._on_optimizer_created, optimizer)
-
-            return __init__
-
-        self._patch(torch.autograd, "backward", make_backward)
-        clip = make_clip(clip_module.clip_grad_norm_)
+        self._patch(torch.autograd, "backward", functools.partial(watch_hooks.backward, session))
+        clip = watch_hooks.clip_grad_norm_(session, clip_module.clip_grad_norm_)
         for owner in (clip_module, torch.nn.utils):
             original = owner.clip_grad_norm_
             owner.clip_grad_norm_ = functools.wraps(original)(clip)
             self._undo.append(functools.partial(setattr, owner, "clip_grad_norm_", original))
-        self._patch(GradScaler, "scale", make_scale)
-        self._patch(GradScaler, "step", make_scaler_step)
-        self._patch(GradScaler, "update", make_update)
-        self._patch(DistributedDataParallel, "__init__", make_ddp_init)
-        self._patch(torch.optim.Optimizer, "__init__", make_optimizer_init)
+        self._patch(GradScaler, "scale", functools.partial(watch_hooks.scale, session))
+        self._patch(GradScaler, "step", functools.partial(watch_hooks.scaler_step, session))
+        self._patch(GradScaler, "update", functools.partial(watch_hooks.scaler_update, session))
+        self._patch(DistributedDataParallel, "__init__", functools.partial(watch_hooks.ddp_init, session))
+        self._patch(torch.optim.Optimizer, "__init__", functools.partial(watch_hooks.optimizer_init, session))
         pre = register_optimizer_step_pre_hook(lambda opt, a, k: self._guarded(self._pre_step, opt, a, k))
         post = register_optimizer_step_post_hook(lambda opt, a, k: self._guarded(self._post_step, opt))
         self._undo += [pre.remove, post.remove]
@@ -368,12 +282,12 @@ class WatchSession:
             self._created[optimizer] = self._n_created
             self._n_created += 1
 
-    def _state(self, optimizer: Any) -> _Optimizer:
+    def _state(self, optimizer: Any) -> OptimizerState:
         state = self._optimizers.get(optimizer)
         if state is None:
             if optimizer not in self._created:  # made before attach: numbered in the order it steps
                 self._on_optimizer_created(optimizer)
-            state = _Optimizer(
+            state = OptimizerState(
                 ref=weakref.ref(optimizer), index=self._created[optimizer], name=type(optimizer).__name__
             )
             self._optimizers[optimizer] = state
@@ -384,7 +298,7 @@ class WatchSession:
     def _on_backward(self, tensors: Any) -> None:
         if self._group.sealed:
             self._flush_awaiting(stepped_only=True)  # a scaler that stepped but never updated
-            self._group = _Group()
+            self._group = Group()
         group = self._group
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
             tensors = tensors[0]
@@ -406,7 +320,7 @@ class WatchSession:
             result._ciuic_unscaled = outputs  # the loss as computed; backward() sees `result`
             if self._group.sealed:
                 self._flush_awaiting(stepped_only=True)
-                self._group = _Group()
+                self._group = Group()
             if self._group.scale_used is None:  # the scale this step's loss was multiplied by
                 self._group.scale_used = scaler._scale.detach().clone()
             self._group.scaler = scaler
@@ -414,7 +328,7 @@ class WatchSession:
     def _on_scaler_step(self, optimizer: Any) -> None:
         self._await_update(self._state(optimizer))
 
-    def _await_update(self, state: _Optimizer) -> None:
+    def _await_update(self, state: OptimizerState) -> None:
         if state not in self._awaiting_update:
             state.group = self._group
             self._group.sealed = True
@@ -432,7 +346,7 @@ class WatchSession:
         self._compute_norm(state, optimizer)
         return None
 
-    def _watched_closure(self, state: _Optimizer, closure: Callable) -> Callable:
+    def _watched_closure(self, state: OptimizerState, closure: Callable) -> Callable:
         calls = 0
 
         def watched_closure() -> Any:
@@ -452,22 +366,16 @@ class WatchSession:
 
         return watched_closure
 
-    def _compute_norm(self, state: _Optimizer, optimizer: Any) -> None:
+    def _compute_norm(self, state: OptimizerState, optimizer: Any) -> None:
         if not self.config.grad_norm or self._group.clip_norm is not None:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded = self._sharded.get(id(optimizer))
         if sharded is None:
-            sharded = self._sharded[id(optimizer)] = is_sharded(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads or sharded:  # a shard's norm is not the model's norm
+            sharded = self._sharded[id(optimizer)] = is_sharded(optimizer_params(optimizer))
+        norm = None if sharded else grad_norm(optimizer)  # a shard's norm is not the model's norm
+        if norm is None:
             return
-        norm = torch.nn.utils.get_total_norm(grads)
-        # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
-        grad_scale = getattr(optimizer, "grad_scale", None)
-        if isinstance(grad_scale, torch.Tensor):
-            norm = norm / grad_scale.to(norm.device)
-        state.grad_norm = norm.detach()
+        state.grad_norm = norm
 
     def _post_step(self, optimizer: Any) -> None:
         state = self._state(optimizer)
@@ -479,17 +387,6 @@ class WatchSession:
             return
         self._group.sealed = True
         self._finalize(state, self._group, scaler=None, found_inf=None)
-
-    @staticmethod
-    def _found_inf(scaler: Any) -> dict[int, torch.Tensor]:
-        """id(optimizer) -> sum of its found-inf flags for this step, on the device (GradScaler internals)."""
-        out = {}
-        for key, state in getattr(scaler, "_per_optimizer_states", {}).items():
-            flags = list(state.get("found_inf_per_device", {}).values())
-            if flags:
-                device = flags[0].device
-                out[key] = sum((f.to(device, non_blocking=True).float() for f in flags[1:]), flags[0].float())
-        return out
 
     def _flush_awaiting(
         self, *, scaler: Any = None, found_inf: dict | None = None, gather: bool = True, stepped_only=False
@@ -505,7 +402,7 @@ class WatchSession:
 
     # ---- one record per step -----------------------------------------------------------------
     def _finalize(
-        self, state: _Optimizer, group: _Group, *, scaler: Any, found_inf: Any, gather: bool = True
+        self, state: OptimizerState, group: Group, *, scaler: Any, found_inf: Any, gather: bool = True
     ) -> None:
         stepped, state.stepped, state.group = state.stepped, False, None
         grad_norm, state.grad_norm = state.grad_norm, None
@@ -524,7 +421,7 @@ class WatchSession:
         optimizer = state.ref()
         lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
         lazy: dict[str, torch.Tensor | None] = {
-            "loss": _total(group.losses),
+            "loss": total_loss(group.losses),
             "grad_norm": group.clip_norm if group.clip_norm is not None else grad_norm,
             "loss_scale": group.scale_used,
             "loss_scale_next": scaler._scale.detach().clone() if scaler is not None else None,
@@ -540,7 +437,7 @@ class WatchSession:
             "step_time_s": step_time_s,
             "pre_backward_s": pre_backward_s,
             "lr": float(lr) if isinstance(lr, int | float) else None,
-            "grad_norm_source": _norm_source(group, grad_norm),
+            "grad_norm_source": norm_source(group, grad_norm),
             "clip_max_norm": group.clip_max_norm,
             "skipped": scaler is not None and found_inf is None and not stepped,
             "backward_calls": group.backward_calls,
@@ -555,7 +452,7 @@ class WatchSession:
             lazy["checksums"], record["_checksum_ranks"], record["_checksum_me"] = gathered
         self._queue.push(start_copy(record, lazy))
 
-    def _step_number(self, state: _Optimizer) -> int:
+    def _step_number(self, state: OptimizerState) -> int:
         if self._framework_step is not None:
             done = self._framework_step()
             if isinstance(done, int):
@@ -583,16 +480,7 @@ class WatchSession:
     def _write(self, pending: Any) -> None:
         values = pending.values()
         record = pending.record
-        first = {key: vals[0] if vals else None for key, vals in values.items() if key != "checksums"}
-        for key in ("loss", "grad_norm", "loss_scale", "loss_scale_next", "lr"):
-            if key in first:
-                record[key] = first[key]
-        if "found_inf" in first:
-            record["skipped"] = bool(first["found_inf"] > 0)
-        ranks, me = record.pop("_checksum_ranks", None), record.pop("_checksum_me", None)
-        if "checksums" in values and ranks:
-            record["weights_checksum"] = values["checksums"][ranks.index(me)] if me in ranks else None
-            record["desync_ranks"] = differing_ranks(values["checksums"], ranks)
+        merge_values(record, values)
         if self._writer is None:  # opened at the first record: a spawned rank knows its rank by then
             self._writer = self.run.writer(STREAM, rank=self.rank, per_rank_file=True)
         record["rank"] = self.rank
@@ -603,20 +491,3 @@ class WatchSession:
             self._snapshot.observe(full["step"], full["mem_allocated"])
         for listener in self._listeners:
             listener(full)
-
-
-def _norm_source(group: _Group, computed: torch.Tensor | None) -> str | None:
-    if group.clip_norm is not None:
-        return "clip"
-    return "computed" if computed is not None else None
-
-
-def _total(losses: list[torch.Tensor]) -> torch.Tensor | None:
-    """The step's loss: the one backward() loss, or the sum over micro-batches (each already divided by
-    the accumulation count in a correct loop, so the sum is the mean loss)."""
-    if not losses:
-        return None
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total.float() + loss.float()
-    return total

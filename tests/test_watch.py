@@ -77,7 +77,16 @@ def steps_of(path) -> list[dict]:
     return sorted(RunDir.open(path).read("steps").records, key=lambda r: (r["rank"], r["step"]))
 
 
-@pytest.mark.parametrize("name", ["ciuic_doctor.analysis.steps", "ciuic_doctor.probes.watch_snapshot"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ciuic_doctor.analysis.steps",
+        "ciuic_doctor.probes.watch_snapshot",
+        "ciuic_doctor.probes.watch_steps",
+        "ciuic_doctor.probes.watch_target",
+        "ciuic_doctor.probes.watch_exit",
+    ],
+)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0

@@ -66,7 +66,7 @@ kwargs = dict(
 if mode == "single":
     kwargs.update(devices=1, gradient_clip_val=0.05, accumulate_grad_batches=3, precision="bf16-mixed")
 else:
-    kwargs.update(devices=2, strategy="ddp", num_nodes=1)
+    kwargs.update(devices=2, strategy="ddp", num_nodes=1, accumulate_grad_batches=2)
 trainer = L.Trainer(**kwargs)
 trainer.fit(Tiny())
 with open(os.path.join(out, f"truth{trainer.global_rank}.json"), "w") as fh:

@@ -31,6 +31,14 @@ def last_json(stdout: str):
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def watched(tmp_path, name: str, body: str):
+    """Write the script, run it under `ciuic-doctor watch`; its last stdout line (JSON) and the records."""
+    script = write(tmp_path, name, body)
+    done = run_cli("watch", "--out", str(tmp_path / "run"), "--", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return last_json(done.stdout), steps_of(tmp_path / "run")
+
+
 def free_port() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -61,12 +69,8 @@ LBFGS = """
 
 
 def test_lbfgs_closure_records_what_step_returned_and_the_closures_gradients(tmp_path):
-    script = write(tmp_path, "lbfgs.py", LBFGS)
-    done = run_cli("watch", "--out", str(tmp_path / "run"), "--", str(script), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    seen = last_json(done.stdout)
+    seen, records = watched(tmp_path, "lbfgs.py", LBFGS)
     assert max(seen["evaluations"]) > 1  # the line search re-evaluated: those losses must not add up
-    records = steps_of(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["loss"] for r in records] == pytest.approx(seen["losses"], rel=1e-6)
     assert [r["grad_norm"] for r in records] == pytest.approx(seen["norms"], rel=1e-6)
@@ -103,11 +107,7 @@ GAN = """
 
 
 def test_two_optimizer_gan_records_each_optimizer_with_its_own_loss(tmp_path):
-    script = write(tmp_path, "dcgan.py", GAN)
-    done = run_cli("watch", "--out", str(tmp_path / "run"), "--", str(script), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    seen = last_json(done.stdout)
-    records = steps_of(tmp_path / "run")
+    seen, records = watched(tmp_path, "dcgan.py", GAN)
     d = [r for r in records if r["optimizer"] == 0]
     g = [r for r in records if r["optimizer"] == 1]
     assert [r["step"] for r in d] == [r["step"] for r in g] == [1, 2, 3]
@@ -291,10 +291,8 @@ FORK = """
 
 
 def test_a_forked_child_never_writes_into_the_parents_stream(tmp_path):
-    script = write(tmp_path, "fork.py", FORK)
-    done = run_cli("watch", "--out", str(tmp_path / "run"), "--", str(script), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert [r["step"] for r in steps_of(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    seen, records = watched(tmp_path, "fork.py", FORK)
+    assert [r["step"] for r in records] == list(range(1, seen["parent_steps"] + 1))
 
 
 # ---- targets -----------------------------------------------------------------------------------------

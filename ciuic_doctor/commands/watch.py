@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
-        metavar="-- script.py [args] | -- -m module [args]",
+        metavar="-- script.py [args] | -- dir/ [args] | -- -m module [args]",
         help="the training script and its arguments",
     )
 

@@ -28,8 +28,19 @@ from ciuic_doctor.importers import StepLog, intervals, normalize
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
-WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
-_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm")
+WANTED = (
+    "rank",
+    "step",
+    "t",
+    "loss",
+    "lr",
+    "grad_norm",
+    "loss_scale",
+    "skipped",
+    "clip_max_norm",
+    "loss_scale_next",
+)
+_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm", "loss_scale_next")
 _FLATTEN = bytes.maketrans(b",", b":")
 
 
@@ -50,9 +61,15 @@ def load(path: Path) -> StepLog:
     raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*WANTED, "nonfinite"])
     step = raw["step"]
     rank = raw["rank"]
+    # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
+    # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
+    next_scale = pd.to_numeric(raw["loss_scale_next"], errors="coerce")
+    raw["loss_scale"] = next_scale.where(
+        next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
+    )
     table = normalize(
         {
-            **{k: raw[k] for k in WANTED if k != "clip_max_norm"},
+            **{k: raw[k] for k in WANTED if k not in ("clip_max_norm", "loss_scale_next")},
             "nonfinite": raw["nonfinite"],
             "interval_steps": intervals(step, rank),
         },

@@ -28,19 +28,9 @@ from ciuic_doctor.importers import StepLog, intervals, normalize
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
-WANTED = (
-    "rank",
-    "step",
-    "t",
-    "loss",
-    "lr",
-    "grad_norm",
-    "loss_scale",
-    "skipped",
-    "clip_max_norm",
-    "loss_scale_next",
-)
-_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm", "loss_scale_next")
+WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
+_NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm")
+WANTED, _NUMERIC = (*WANTED, "loss_scale_next"), (*_NUMERIC, "loss_scale_next")  # watch since issue 13
 _FLATTEN = bytes.maketrans(b",", b":")
 
 

@@ -34,14 +34,19 @@ def attach(
     grad_norm: bool = True,
     checksum: bool = True,
     snapshot_on_leak: bool = False,
+    agree_timeout_s: float = 60.0,
+    follow_children: bool = True,
+    child: bool = False,
     probe: str = "watch",
     probe_fields: dict[str, Any] | None = None,
 ) -> WatchSession:
     """Start recording this process's optimizer steps; returns the session (a context manager).
 
     `out` (or an open `run`) is the run directory: default $CIUIC_RUN_DIR, under torchrun
-    reports/watch-<run id>, else reports/<time>-watch. `rank` defaults to $RANK. If a session is
-    already recording in this process, that one is returned (and this attach changes nothing).
+    reports/watch-<run id>, else reports/<time>-watch. `rank` defaults to $RANK (else 0). `child`: a rank
+    the watched script started itself: its rank is the process group's, learnt at its first step, and it
+    leaves meta.json to the launching process. If a session is already recording in this process, that
+    one is returned (and this attach changes nothing).
     """
     from ciuic_doctor.probes import watch as probe_watch
 
@@ -50,9 +55,9 @@ def attach(
         return probe_watch.attach(run=active.run)
     if run is None:
         run = RunDir.create(default_run_path("watch", out))
-    if rank is None:
+    if rank is None and not child:
         rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
+    if rank == 0 and not child:
         run.record_environment()
         run.record_probe(probe, status="running", **(probe_fields or {}))
     config = probe_watch.WatchConfig(
@@ -61,6 +66,8 @@ def attach(
         grad_norm=grad_norm,
         checksum=checksum,
         snapshot_on_leak=snapshot_on_leak,
+        agree_timeout_s=agree_timeout_s,
+        follow_children=follow_children,
     )
     return probe_watch.attach(run=run, rank=rank, config=config)
 

@@ -1,18 +1,24 @@
 """Zero-code per-step recording inside a training process (`ciuic-doctor watch -- script.py`).
 
-One record per optimizer step in RUN/steps.rank<R>.jsonl, from hooks on what every PyTorch training loop
-already calls, so the user's script stays as it is:
+One record per optimizer step (of every optimizer) in RUN/steps.rank<R>.jsonl, from hooks on what every
+PyTorch training loop already calls, so the user's script stays as it is:
 
 - `torch.autograd.backward` (which `Tensor.backward` calls): the scalar loss and when backward started;
-  for a GradScaler-scaled loss, the unscaled tensor that was handed to `scaler.scale`.
+  for a GradScaler-scaled loss, the unscaled tensor that was handed to `scaler.scale`. The backward calls
+  since the last optimizer step (a "backward group") belong to the next optimizer that steps; a second
+  optimizer that steps on the same gradients (no backward in between) gets the same group.
 - `torch.nn.utils.clip_grad_norm_`: the total norm it returns and `max_norm`; a script that does not clip
-  gets the same norm computed from the gradients before the optimizer step (`get_total_norm`).
-- torch.optim's global optimizer step pre/post hooks: the step boundary and the LR.
-- `torch.amp.GradScaler.scale/step/update`: scale and skipped. A skipped step never reaches the
-  optimizer (no post hook fires), so with an enabled scaler the record is made in `update()`, from the
-  scaler's found-inf flags: every skipped step is still a record.
+  gets the norm computed from the gradients the step uses (`get_total_norm`): before the step, or, for
+  `optimizer.step(closure)` (Lightning, LBFGS), right after the closure's first evaluation ran backward.
+- torch.optim's global optimizer step pre/post hooks: the step boundary and the LR. A closure's later
+  evaluations (LBFGS's line search) add no loss: the step's loss is the first one, what step() returns.
+- `torch.optim.Optimizer.__init__`: each optimizer's index in creation order (`optimizer` in the record).
+- `torch.amp.GradScaler.scale/step/update`: the scale the step used (`loss_scale`), the one update() set
+  (`loss_scale_next`) and skipped. A skipped step never reaches the optimizer (no post hook fires), so
+  with an enabled scaler the record is made in `update()`, from that optimizer's found-inf flags.
 - `DistributedDataParallel.__init__`: which parameters must be identical on which ranks, for the
-  cross-rank weight checksum (an all_gather of one float64 sum at step 1 and every K steps).
+  cross-rank weight checksum (an all_gather of one float64 sum at step 1 and every K steps), taken only
+  once every rank of the group has said, through the process group's store, that it is watched.
 
 Values that live on the device are read without a device sync (see watch_values). A bug in these hooks
 must never break the user's training: the first exception disables recording with one line on stderr.
@@ -23,26 +29,35 @@ from __future__ import annotations
 import atexit
 import functools
 import os
-import runpy
 import sys
 import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ciuic_doctor.analysis.steps import differing_ranks
-from ciuic_doctor.probes.watch_target import check_target
+from ciuic_doctor.probes import watch_children, watch_frameworks, watch_hooks
+from ciuic_doctor.probes.watch_steps import (
+    Group,
+    OptimizerState,
+    grad_norm,
+    merge_values,
+    norm_source,
+    optimizer_params,
+    total_loss,
+)
+from ciuic_doctor.probes.watch_target import exit_code, run_script  # noqa: F401 - the public runner
 from ciuic_doctor.probes.watch_values import (
     PendingQueue,
     Replicas,
     UssSampler,
+    agree_watched,
     cuda_memory,
     is_sharded,
+    last_step_and_segment,
     read_rss,
     start_copy,
 )
@@ -53,6 +68,7 @@ RECORD_KEYS = (
     "rank", "step", "t", "step_time_s", "pre_backward_s", "loss", "lr", "grad_norm", "grad_norm_source",
     "clip_max_norm", "loss_scale", "skipped", "backward_calls", "mem_allocated", "mem_reserved",
     "mem_active_peak", "alloc_retries", "rss", "uss", "weights_checksum", "desync_ranks",
+    "optimizer", "optimizer_class", "loss_scale_next", "segment",
 )  # fmt: skip
 _ACTIVE: dict[str, WatchSession] = {}  # "session": the one recording in this process
 
@@ -64,24 +80,8 @@ class WatchConfig:
     grad_norm: bool = True  # compute the norm when the script does not clip
     checksum: bool = True
     snapshot_on_leak: bool = False  # CUDA only: dump a memory snapshot when allocated memory keeps growing
-
-
-@dataclass(kw_only=True)
-class _Step:
-    """What the current optimizer step has collected so far."""
-
-    losses: list[torch.Tensor] = field(default_factory=list)
-    backward_calls: int = 0
-    t_first_backward: float | None = None
-    grad_norm: torch.Tensor | None = None
-    grad_norm_source: str | None = None
-    clip_max_norm: float | None = None
-    scaler: Any = None  # an enabled GradScaler that scaled this step's loss
-    stepped: bool = False  # the primary optimizer's step ran
-
-    @property
-    def touched(self) -> bool:
-        return self.backward_calls > 0 or self.stepped or self.scaler is not None
+    agree_timeout_s: float = 60.0  # how long step 1 waits for every rank to say it is watched
+    follow_children: bool = True  # mp.spawn ranks and re-executed argv record their own streams
 
 
 def current() -> WatchSession | None:
@@ -90,13 +90,15 @@ def current() -> WatchSession | None:
 
 
 def attach(*, run: RunDir, rank: int | None = None, config: WatchConfig | None = None) -> WatchSession:
-    """Start recording into `run` (or join the session already recording in this process)."""
+    """Start recording into `run` (or join the session already recording in this process).
+
+    `rank` None: the process group's rank once one exists (mp.spawn ranks learn theirs in
+    init_process_group), else $RANK, else 0; the stream file is opened at the first record.
+    """
     active = _ACTIVE.get("session")
     if active is not None:
         active._refs += 1
         return active
-    if rank is None:
-        rank = int(os.environ.get("RANK", "0"))
     session = WatchSession(run=run, rank=rank, config=config or WatchConfig())
     session._install()
     _ACTIVE["session"] = session
@@ -106,20 +108,30 @@ def attach(*, run: RunDir, rank: int | None = None, config: WatchConfig | None =
 class WatchSession:
     """The hooks of one process and the stream they write. Use `attach()`; close with `close()`."""
 
-    def __init__(self, *, run: RunDir, rank: int, config: WatchConfig) -> None:
+    def __init__(self, *, run: RunDir, rank: int | None, config: WatchConfig) -> None:
         self.run = run
-        self.rank = rank
+        self._rank = rank
         self.config = config
         self.steps_written = 0
+        self.segment = 1
+        self.checksum_note: str | None = None  # why the cross-rank checksum was skipped
         self._refs = 1
-        self._writer = run.writer(STREAM, rank=rank, per_rank_file=True)
+        self._pid = os.getpid()
+        self._writer: Any = None  # opened at the first record, once the rank is known
+        self._first_step = 0  # the run's last step on this rank when this session began
         self._queue = PendingQueue(finish=self._write)
         self._uss = UssSampler(every=config.uss_every)
-        self._step = _Step()
-        self._step_no = 0
-        self._t_prev_end: float | None = None
-        self._primary: weakref.ref | None = None
+        self._group = Group()
+        self._optimizers: weakref.WeakKeyDictionary[Any, OptimizerState] = weakref.WeakKeyDictionary()
+        self._created: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._n_created = 0
+        self._primary: OptimizerState | None = None  # the first to step: its steps carry the checksum
+        self._in_scaler_step: set[int] = set()  # id() of optimizers inside GradScaler.step
+        self._awaiting_update: list[OptimizerState] = []
+        self._reevaluating = 0  # inside a closure's second or later evaluation
+        self._framework_step: Callable[[], int | None] | None = None
         self._replicas: list[Replicas] = []
+        self._agreed: bool | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
         self._undo: list[Callable[[], None]] = []
         self._device: torch.device | None = None
@@ -128,15 +140,30 @@ class WatchSession:
         self._backward_depth = 0
         self._sharded: dict[int, bool] = {}  # id(optimizer) -> holds FSDP / DTensor shards
         self._snapshot = None
+        if rank is not None:
+            self._continue_run(rank)
         if config.snapshot_on_leak and torch.cuda.is_available():
             from ciuic_doctor.probes.watch_snapshot import LeakSnapshot
 
-            self._snapshot = LeakSnapshot(run=run, rank=rank)
+            self._snapshot = LeakSnapshot(run=run, rank=self.rank)
 
     # ---- public ------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            return watch_children.resolve_rank()
+        return self._rank
+
     def set_step(self, step: int) -> None:
         """The number of steps already done (a resumed job): the next record is step + 1."""
-        self._step_no = step
+        self._first_step = step
+        for state in self._optimizers.values():
+            state.count = 0
+
+    def set_step_source(self, source: Callable[[], int | None] | None) -> None:
+        """A framework's own counter of finished optimizer steps (HF `state.global_step`, Lightning
+        `global_step`): the record of the step in progress is numbered source() + 1."""
+        self._framework_step = source
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         """Call `listener(record)` after each record is written (progress lines)."""
@@ -158,14 +185,24 @@ class WatchSession:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
-        if not self._broken:
-            if self._step.stepped:  # an enabled scaler whose update() never came: still a step
-                # No collective here: the other ranks may be past their last step already.
-                self._guarded(self._finalize, scaler=None, found_inf=None, gather=False)
+        if not self._broken and os.getpid() == self._pid:
+            # Steps whose scaler.update() never came are still steps. No collective here: the other
+            # ranks may be past their last step already.
+            self._guarded(self._flush_awaiting, gather=False)
             self._guarded(self._queue.flush)
         if self._snapshot is not None:
             self._guarded(self._snapshot.stop)
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+        if _ACTIVE.get("session") is self:
+            del _ACTIVE["session"]
+
+    def forget_in_child(self) -> None:
+        """In a forked child: undo the hooks and write nothing (the parent's stream is not ours)."""
+        self._closed = self._broken = True
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
         if _ACTIVE.get("session") is self:
             del _ACTIVE["session"]
 
@@ -189,72 +226,23 @@ class WatchSession:
 
         session = self
 
-        def make_backward(original: Callable) -> Callable:
-            def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-                # Re-entrant activation checkpointing calls backward inside backward: not a new loss.
-                if session._backward_depth == 0:
-                    session._guarded(session._on_backward, tensors)
-                session._backward_depth += 1
-                try:
-                    return original(tensors, *args, **kwargs)
-                finally:
-                    session._backward_depth -= 1
-
-            return backward
-
-        def make_clip(original: Callable) -> Callable:
-            def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
-                total = original(*args, **kwargs)
-                max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
-                session._guarded(session._on_clip, total, max_norm)
-                return total
-
-            return clip_grad_norm_
-
-        def make_scale(original: Callable) -> Callable:
-            def scale(scaler: Any, outputs: Any) -> Any:
-                result = original(scaler, outputs)
-                session._guarded(session._on_scale, scaler, outputs, result)
-                return result
-
-            return scale
-
-        def make_scaler_step(original: Callable) -> Callable:
-            def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-                session._guarded(session._claim, optimizer)
-                return original(scaler, optimizer, *args, **kwargs)
-
-            return step
-
-        def make_update(original: Callable) -> Callable:
-            def update(scaler: Any, new_scale: Any = None) -> None:
-                found_inf = session._guarded(session._found_inf, scaler) if new_scale is None else None
-                original(scaler, new_scale)
-                if scaler.is_enabled() and session._step.touched:
-                    session._guarded(session._finalize, scaler=scaler, found_inf=found_inf)
-
-            return update
-
-        def make_ddp_init(original: Callable) -> Callable:
-            def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-                original(ddp, *args, **kwargs)
-                session._guarded(session.watch_replicas, ddp.module, getattr(ddp, "process_group", None))
-
-            return __init__
-
-        self._patch(torch.autograd, "backward", make_backward)
-        clip = make_clip(clip_module.clip_grad_norm_)
+        self._patch(torch.autograd, "backward", functools.partial(watch_hooks.backward, session))
+        clip = watch_hooks.clip_grad_norm_(session, clip_module.clip_grad_norm_)
         for owner in (clip_module, torch.nn.utils):
             original = owner.clip_grad_norm_
             owner.clip_grad_norm_ = functools.wraps(original)(clip)
             self._undo.append(functools.partial(setattr, owner, "clip_grad_norm_", original))
-        self._patch(GradScaler, "scale", make_scale)
-        self._patch(GradScaler, "step", make_scaler_step)
-        self._patch(GradScaler, "update", make_update)
-        self._patch(DistributedDataParallel, "__init__", make_ddp_init)
-        pre = register_optimizer_step_pre_hook(lambda opt, a, k: self._guarded(self._pre_step, opt))
+        self._patch(GradScaler, "scale", functools.partial(watch_hooks.scale, session))
+        self._patch(GradScaler, "step", functools.partial(watch_hooks.scaler_step, session))
+        self._patch(GradScaler, "update", functools.partial(watch_hooks.scaler_update, session))
+        self._patch(DistributedDataParallel, "__init__", functools.partial(watch_hooks.ddp_init, session))
+        self._patch(torch.optim.Optimizer, "__init__", functools.partial(watch_hooks.optimizer_init, session))
+        pre = register_optimizer_step_pre_hook(lambda opt, a, k: self._guarded(self._pre_step, opt, a, k))
         post = register_optimizer_step_post_hook(lambda opt, a, k: self._guarded(self._post_step, opt))
         self._undo += [pre.remove, post.remove]
+        self._undo.append(watch_frameworks.install(self))
+        if self.config.follow_children:
+            self._undo.append(watch_children.install(self))
         atexit.register(self._at_exit)
         self._undo.append(functools.partial(atexit.unregister, self._at_exit))
 
@@ -284,141 +272,218 @@ class WatchSession:
             return None
 
     # ---- hook bodies -------------------------------------------------------------------------
-    def _claim(self, optimizer: Any) -> bool:
-        """The first optimizer that steps is the one whose steps are recorded; others are ignored."""
-        if self._primary is None or self._primary() is None:
-            self._primary = weakref.ref(optimizer)
-        return self._primary() is optimizer
+    def _continue_run(self, rank: int) -> None:
+        """Number this session's steps after the run's last one on this rank; it is the next segment."""
+        last_step, last_segment = last_step_and_segment(self.run.stream_path(STREAM, rank))
+        self._first_step, self.segment = last_step, last_segment + 1 if last_step else 1
+
+    def _on_optimizer_created(self, optimizer: Any) -> None:
+        if optimizer not in self._created:
+            self._created[optimizer] = self._n_created
+            self._n_created += 1
+
+    def _state(self, optimizer: Any) -> OptimizerState:
+        state = self._optimizers.get(optimizer)
+        if state is None:
+            if optimizer not in self._created:  # made before attach: numbered in the order it steps
+                self._on_optimizer_created(optimizer)
+            state = OptimizerState(
+                ref=weakref.ref(optimizer), index=self._created[optimizer], name=type(optimizer).__name__
+            )
+            self._optimizers[optimizer] = state
+            if self._primary is None:
+                self._primary = state
+        return state
 
     def _on_backward(self, tensors: Any) -> None:
-        step = self._step
-        if step.stepped:  # the last step stepped but its scaler never updated: close it first
-            self._finalize(scaler=None, found_inf=None)
-            step = self._step
+        if self._group.sealed:
+            self._flush_awaiting(stepped_only=True)  # a scaler that stepped but never updated
+            self._group = Group()
+        group = self._group
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
             tensors = tensors[0]
-        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1:
-            step.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
+        if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and not self._reevaluating:
+            group.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
             if self._device is None:  # the loss lives where the model does
                 self._device = tensors.device
-        step.backward_calls += 1
-        if step.t_first_backward is None:
-            step.t_first_backward = time.perf_counter()
+        group.backward_calls += 1
+        if group.t_first_backward is None:
+            group.t_first_backward = time.perf_counter()
 
     def _on_clip(self, total: Any, max_norm: Any) -> None:
-        if isinstance(total, torch.Tensor):
-            self._step.grad_norm = total.detach()
-            self._step.grad_norm_source = "clip"
-            self._step.clip_max_norm = float(max_norm) if max_norm is not None else None
+        if isinstance(total, torch.Tensor) and not self._reevaluating:
+            self._group.clip_norm = total.detach()
+            self._group.clip_max_norm = float(max_norm) if max_norm is not None else None
 
     def _on_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
         if scaler.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
             result._ciuic_unscaled = outputs  # the loss as computed; backward() sees `result`
-            self._step.scaler = scaler
+            if self._group.sealed:
+                self._flush_awaiting(stepped_only=True)
+                self._group = Group()
+            if self._group.scale_used is None:  # the scale this step's loss was multiplied by
+                self._group.scale_used = scaler._scale.detach().clone()
+            self._group.scaler = scaler
 
-    def _pre_step(self, optimizer: Any) -> None:
-        if not self._claim(optimizer) or not self.config.grad_norm or self._step.grad_norm is not None:
+    def _on_scaler_step(self, optimizer: Any) -> None:
+        self._await_update(self._state(optimizer))
+
+    def _await_update(self, state: OptimizerState) -> None:
+        if state not in self._awaiting_update:
+            state.group = self._group
+            self._group.sealed = True
+            self._awaiting_update.append(state)
+
+    def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        state = self._state(optimizer)
+        state.grad_norm = None
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if callable(closure):  # the closure runs backward inside step(): the norm comes after it
+            watched = self._watched_closure(state, closure)
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": watched}
+            return (args[0], watched, *args[2:]), kwargs
+        self._compute_norm(state, optimizer)
+        return None
+
+    def _watched_closure(self, state: OptimizerState, closure: Callable) -> Callable:
+        calls = 0
+
+        def watched_closure() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # LBFGS's re-evaluations: step() returns the first evaluation's loss
+                self._reevaluating += 1
+                try:
+                    return closure()
+                finally:
+                    self._reevaluating -= 1
+            result = closure()
+            optimizer = state.ref()
+            if optimizer is not None:
+                self._guarded(self._compute_norm, state, optimizer)
+            return result
+
+        return watched_closure
+
+    def _compute_norm(self, state: OptimizerState, optimizer: Any) -> None:
+        if not self.config.grad_norm or self._group.clip_norm is not None:
             return
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded = self._sharded.get(id(optimizer))
         if sharded is None:
-            sharded = self._sharded[id(optimizer)] = is_sharded(params)
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads or sharded:  # a shard's norm is not the model's norm
+            sharded = self._sharded[id(optimizer)] = is_sharded(optimizer_params(optimizer))
+        norm = None if sharded else grad_norm(optimizer)  # a shard's norm is not the model's norm
+        if norm is None:
             return
-        norm = torch.nn.utils.get_total_norm(grads)
-        # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
-        grad_scale = getattr(optimizer, "grad_scale", None)
-        if isinstance(grad_scale, torch.Tensor):
-            norm = norm / grad_scale.to(norm.device)
-        self._step.grad_norm = norm.detach()
-        self._step.grad_norm_source = "computed"
+        state.grad_norm = norm
 
     def _post_step(self, optimizer: Any) -> None:
-        if not self._claim(optimizer):
-            return
-        self._step.stepped = True
+        state = self._state(optimizer)
+        state.stepped = True
         if self._device is None:
             self._device = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
-        if self._step.scaler is None:
-            self._finalize(scaler=None, found_inf=None)
+        if id(optimizer) in self._in_scaler_step or self._group.scaler is not None:
+            self._await_update(state)  # its record waits for scaler.update(): skipped or not
+            return
+        self._group.sealed = True
+        self._finalize(state, self._group, scaler=None, found_inf=None)
 
-    @staticmethod
-    def _found_inf(scaler: Any) -> torch.Tensor | None:
-        """Sum of the scaler's found-inf flags for this step, on the device (GradScaler internals)."""
-        flags = [
-            flag
-            for state in getattr(scaler, "_per_optimizer_states", {}).values()
-            for flag in state.get("found_inf_per_device", {}).values()
-        ]
-        if not flags:
-            return None
-        device = flags[0].device
-        return sum((f.to(device, non_blocking=True).float() for f in flags[1:]), flags[0].float())
+    def _flush_awaiting(
+        self, *, scaler: Any = None, found_inf: dict | None = None, gather: bool = True, stepped_only=False
+    ) -> None:
+        """Record the steps that waited for scaler.update() (or whose update never came)."""
+        waiting, self._awaiting_update = self._awaiting_update, []
+        for state in waiting:
+            if stepped_only and not state.stepped:
+                self._awaiting_update.append(state)
+                continue
+            flags = found_inf.get(id(state.ref())) if found_inf is not None else None
+            self._finalize(state, state.group or self._group, scaler=scaler, found_inf=flags, gather=gather)
 
     # ---- one record per step -----------------------------------------------------------------
-    def _finalize(self, *, scaler: Any, found_inf: torch.Tensor | None, gather: bool = True) -> None:
-        step, self._step = self._step, _Step()
-        self._step_no += 1
+    def _finalize(
+        self, state: OptimizerState, group: Group, *, scaler: Any, found_inf: Any, gather: bool = True
+    ) -> None:
+        stepped, state.stepped, state.group = state.stepped, False, None
+        grad_norm, state.grad_norm = state.grad_norm, None
+        state.count += 1
+        if self._rank is None:  # a spawned rank: its process group exists by its first step
+            self._rank = watch_children.resolve_rank()
+            self._continue_run(self._rank)
+        step_no = self._step_number(state)
         gathered = None
-        if gather and self.config.checksum and self._checksum_due(self._step_no):
-            # A collective: every rank makes this call at the same step, recording or not.
-            for replicas in self._replicas:
-                gathered = replicas.gather_checksums()
-                if gathered is not None:
-                    break
+        if gather and state is self._primary and self.config.checksum and self._checksum_due(state.count):
+            gathered = self._checksums()  # a collective: every watched rank calls it at the same step
         now = time.perf_counter()
-        prev, self._t_prev_end = self._t_prev_end, now
+        prev, state.t_prev_end = state.t_prev_end, now
         if self._broken:
             return
-        optimizer = self._primary() if self._primary else None
+        optimizer = state.ref()
         lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
         lazy: dict[str, torch.Tensor | None] = {
-            "loss": _total(step.losses),
-            "grad_norm": step.grad_norm,
-            "loss_scale": scaler._scale.detach().clone() if scaler is not None else None,
+            "loss": total_loss(group.losses),
+            "grad_norm": group.clip_norm if group.clip_norm is not None else grad_norm,
+            "loss_scale": group.scale_used,
+            "loss_scale_next": scaler._scale.detach().clone() if scaler is not None else None,
             "found_inf": found_inf,
             "lr": lr.detach().clone() if isinstance(lr, torch.Tensor) else None,
         }
         step_time_s = now - prev if prev is not None else None
+        t_backward = group.t_first_backward
+        pre_backward_s = t_backward - prev if prev is not None and t_backward and t_backward > prev else None
         record: dict[str, Any] = {
-            "rank": self.rank,
-            "step": self._step_no,
+            "step": step_no,
             "t": time.time(),
             "step_time_s": step_time_s,
-            "pre_backward_s": (
-                step.t_first_backward - prev if prev is not None and step.t_first_backward else None
-            ),
+            "pre_backward_s": pre_backward_s,
             "lr": float(lr) if isinstance(lr, int | float) else None,
-            "grad_norm_source": step.grad_norm_source,
-            "clip_max_norm": step.clip_max_norm,
-            "skipped": scaler is not None and found_inf is None and not step.stepped,
-            "backward_calls": step.backward_calls,
+            "grad_norm_source": norm_source(group, grad_norm),
+            "clip_max_norm": group.clip_max_norm,
+            "skipped": scaler is not None and found_inf is None and not stepped,
+            "backward_calls": group.backward_calls,
             **cuda_memory(self._device),
             "rss": read_rss(),
-            "uss": self._uss.sample(self._step_no, step_time_s),
-        }
+            "uss": self._uss.sample(state.count, step_time_s),
+            "optimizer": state.index,
+            "optimizer_class": state.name,
+            "segment": self.segment,
+        }  # fmt: skip
         if gathered is not None:
             lazy["checksums"], record["_checksum_ranks"], record["_checksum_me"] = gathered
         self._queue.push(start_copy(record, lazy))
 
-    def _checksum_due(self, step: int) -> bool:
+    def _step_number(self, state: OptimizerState) -> int:
+        if self._framework_step is not None:
+            done = self._framework_step()
+            if isinstance(done, int):
+                return done + 1
+        return self._first_step + state.count
+
+    def _checksum_due(self, count: int) -> bool:
         every = max(1, self.config.checksum_every)
-        return step == 1 or (step - 1) % every == 0
+        return count == 1 or (count - 1) % every == 0
+
+    def _checksums(self) -> Any:
+        """The replicas' checksums, once every rank of their group has said it is watched (else never)."""
+        for replicas in self._replicas:
+            if self._agreed is None:
+                self._agreed, self.checksum_note = agree_watched(replicas.group, self.config.agree_timeout_s)
+                if self.checksum_note:
+                    print(f"ciuic-doctor watch: rank {self.rank}: {self.checksum_note}", file=sys.stderr)
+            if not self._agreed:
+                return None
+            gathered = replicas.gather_checksums()
+            if gathered is not None:
+                return gathered
+        return None
 
     def _write(self, pending: Any) -> None:
         values = pending.values()
         record = pending.record
-        first = {key: vals[0] if vals else None for key, vals in values.items() if key != "checksums"}
-        for key in ("loss", "grad_norm", "loss_scale", "lr"):
-            if key in first:
-                record[key] = first[key]
-        if "found_inf" in first:
-            record["skipped"] = bool(first["found_inf"] > 0)
-        ranks, me = record.pop("_checksum_ranks", None), record.pop("_checksum_me", None)
-        if "checksums" in values and ranks:
-            record["weights_checksum"] = values["checksums"][ranks.index(me)] if me in ranks else None
-            record["desync_ranks"] = differing_ranks(values["checksums"], ranks)
+        merge_values(record, values)
+        if self._writer is None:  # opened at the first record: a spawned rank knows its rank by then
+            self._writer = self.run.writer(STREAM, rank=self.rank, per_rank_file=True)
+        record["rank"] = self.rank
         full = {key: record.get(key) for key in RECORD_KEYS}
         self._writer.write(full)
         self.steps_written += 1
@@ -426,62 +491,3 @@ class WatchSession:
             self._snapshot.observe(full["step"], full["mem_allocated"])
         for listener in self._listeners:
             listener(full)
-
-
-def _total(losses: list[torch.Tensor]) -> torch.Tensor | None:
-    """The step's loss: the one backward() loss, or the sum over micro-batches (each already divided by
-    the accumulation count in a correct loop, so the sum is the mean loss)."""
-    if not losses:
-        return None
-    total = losses[0]
-    for loss in losses[1:]:
-        total = total.float() + loss.float()
-    return total
-
-
-# ---- running a user's script the way `python script.py` would ------------------------------------
-def run_script(argv: list[str]) -> int:
-    """Run `script.py args...` or `-m module args...` in this process as __main__; its exit code.
-
-    sys.argv is the script's own; sys.path[0] is the script's directory (for -m: the current directory),
-    as `python` sets them. An exception is printed as Python prints it and gives exit code 1.
-    """
-    check_target(argv)
-    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
-    try:
-        if argv[0] == "-m":
-            sys.path[0] = os.getcwd()
-            sys.argv = [argv[1], *argv[2:]]
-            runner: Callable[[], Any] = functools.partial(
-                runpy.run_module, argv[1], run_name="__main__", alter_sys=True
-            )
-        else:
-            script = Path(argv[0])
-            sys.argv = list(argv)
-            sys.path[0] = str(script.resolve().parent)
-            runner = functools.partial(runpy.run_path, str(script), run_name="__main__")
-        try:
-            runner()
-        except SystemExit as exc:
-            return _exit_code(exc.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            return 130
-        except BaseException:
-            traceback.print_exc()
-            return 1
-        return 0
-    finally:
-        sys.argv = saved_argv
-        if saved_path0 is not None:
-            sys.path[0] = saved_path0
-
-
-def _exit_code(code: Any) -> int:
-    """SystemExit semantics: None is 0, an int is itself, anything else is printed and is 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1

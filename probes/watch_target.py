@@ -1,16 +1,26 @@
-"""What `watch` runs: a script path or `-m module`, checked the way `python` would find it (no torch here,
-so the CLI can refuse a bad target before anything is recorded)."""
+"""What `watch` runs: a script path, a directory with `__main__.py`, or `-m module`, checked and run the way
+`python` would (the check imports no torch, so the CLI refuses a bad target before anything is recorded).
+
+    >>> describe_target(["-m", "pkg.train", "--lr", "3e-4"])
+    '-m pkg.train'
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
+import runpy
 import sys
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from ciuic_doctor.errors import UserError
+
+_PYTHON_SUFFIXES = (".py", ".pyw", ".pyc", ".pyz", ".zip")
 
 
 @contextlib.contextmanager
@@ -29,13 +39,17 @@ def module_search_path() -> Iterator[None]:
             sys.path[0] = saved
 
 
+def describe_target(argv: list[str]) -> str:
+    """The target without its arguments, for messages."""
+    return f"-m {argv[1]}" if argv and argv[0] == "-m" and len(argv) > 1 else (argv[0] if argv else "")
+
+
 def check_target(argv: list[str]) -> None:
-    """Refuse a missing script or module with one line (UserError), before anything runs."""
+    """Refuse a missing or non-Python target with one line (UserError), before anything runs."""
     if not argv:
         raise UserError("no script given: ciuic-doctor watch [options] -- script.py [args]")
     if argv[0] != "-m":
-        if not Path(argv[0]).is_file():
-            raise UserError(f"{argv[0]}: no such script")
+        _check_path(Path(argv[0]))
         return
     if len(argv) < 2:
         raise UserError("-m needs a module name")
@@ -46,3 +60,78 @@ def check_target(argv: list[str]) -> None:
             found = None
     if found is None:
         raise UserError(f"-m {argv[1]}: no such module")
+
+
+def _check_path(path: Path) -> None:
+    if path.is_dir():  # `python dir/` runs dir/__main__.py with dir on sys.path
+        if not (path / "__main__.py").is_file():
+            raise UserError(f"{path}: a directory without __main__.py (python could not run it either)")
+        return
+    if not path.is_file():
+        raise UserError(f"{path}: no such script")
+    if path.suffix in _PYTHON_SUFFIXES:
+        return
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    # A compiled program (an ELF binary such as /bin/ls) has NUL bytes in its first 512; a shell script
+    # names its interpreter on a #! line. Either runs in its own process, where no hook of ours can be.
+    first_line = head.split(b"\n", 1)[0]
+    if b"\0" in head or (first_line.startswith(b"#!") and b"python" not in first_line):
+        raise UserError(
+            f"{path}: not a Python script; watch runs Python training scripts in its own interpreter "
+            "(for another program, watch the Python script it starts)"
+        )
+
+
+# ---- running a user's script the way `python script.py` would ------------------------------------
+def run_script(argv: list[str]) -> int:
+    """Run `script.py args...`, `dir/ args...` or `-m module args...` in this process as __main__; its
+    exit code.
+
+    sys.argv is the script's own; sys.path[0] is the script's directory (a directory target: itself; for
+    -m: the current directory), as `python` sets them. An exception is printed as Python prints it and
+    gives exit code 1; Ctrl-C gives 130.
+    """
+    check_target(argv)
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    try:
+        if argv[0] == "-m":
+            sys.path[0] = os.getcwd()
+            sys.argv = [argv[1], *argv[2:]]
+            runner: Callable[[], Any] = functools.partial(
+                runpy.run_module, argv[1], run_name="__main__", alter_sys=True
+            )
+        else:
+            target = Path(argv[0])
+            sys.argv = list(argv)
+            # run_path puts a directory (or zip) on sys.path itself; a script's folder is ours to add.
+            sys.path[0] = str(target.resolve() if target.is_dir() else target.resolve().parent)
+            runner = functools.partial(runpy.run_path, str(target), run_name="__main__")
+        try:
+            runner()
+        except SystemExit as exc:
+            return exit_code(exc.code)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            return 130
+        except BaseException:
+            traceback.print_exc()
+            return 1
+        return 0
+    finally:
+        sys.argv = saved_argv
+        if saved_path0 is not None:
+            sys.path[0] = saved_path0
+
+
+def exit_code(code: Any) -> int:
+    """SystemExit semantics: None is 0, an int is itself, anything else is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1

@@ -10,12 +10,14 @@ instead stall the host until the GPU drains its queue, every step.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,6 +149,68 @@ class Replicas:
         parts = [torch.empty_like(local) for _ in range(size)]
         dist.all_gather(parts, local, group=group)
         return torch.cat(parts), dist.get_process_group_ranks(group), dist.get_rank()
+
+
+def agree_watched(group: Any, timeout_s: float) -> tuple[bool, str | None]:
+    """Whether every rank of `group` is watched (and so will join the checksum all_gather); why not.
+
+    Each watched rank says so under a key in the process group's own store (no collective), then waits
+    up to `timeout_s` for the others. The first rank to decide writes the decision with compare_set and
+    every rank follows it: a rank arriving after a "skip" skips too, so none is left alone in all_gather
+    with a partner that is not watched (which would wait until the process-group timeout, 30 min).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return True, None  # no process group: gather_checksums does nothing
+    group = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) < 2:
+        return True, None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # a private API: without it, no way to agree without a collective
+        return False, "cross-rank weight checksum skipped: the process group has no store to agree on"
+    prefix = "ciuic_watch/" + "-".join(map(str, ranks))
+    store.set(f"{prefix}/watched/{dist.get_rank()}", "1")
+    keys = [f"{prefix}/watched/{rank}" for rank in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        verdict = b"go"
+    except Exception:  # DistStoreError: a rank did not say so in time
+        verdict = b"skip"
+    decided = store.compare_set(f"{prefix}/decision", b"", verdict)
+    if decided == b"go":
+        return True, None
+    missing = [rank for rank, key in zip(ranks, keys, strict=True) if not store.check([key])]
+    return False, (
+        f"cross-rank weight checksum skipped: rank(s) {missing or '?'} not watched within "
+        f"{timeout_s:g} s (its all_gather would wait for them)"
+    )
+
+
+def last_step_and_segment(path: Path) -> tuple[int, int]:
+    """The last step and segment in an existing steps stream (0, 0 when there is none): a new watch
+    session into the same run continues the numbering as its next segment."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 65536))
+            tail = fh.read().splitlines()
+    except OSError:
+        return 0, 0
+    for line in reversed(tail):  # the last whole line that is a step record (a torn one is skipped)
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            segment = record.get("segment")
+            return record["step"], segment if isinstance(segment, int) else 1
+    return 0, 0
 
 
 # ---- deferred reads of device scalars ----------------------------------------------------------

@@ -23,6 +23,7 @@ RECORD_KEYS = (
     "rank", "step", "t", "step_time_s", "pre_backward_s", "loss", "lr", "grad_norm", "grad_norm_source",
     "clip_max_norm", "loss_scale", "skipped", "backward_calls", "mem_allocated", "mem_reserved",
     "mem_active_peak", "alloc_retries", "rss", "uss", "weights_checksum", "desync_ranks",
+    "optimizer", "optimizer_class", "loss_scale_next", "segment",
 )  # fmt: skip
 
 # A user's script: plain PyTorch, no ciuic_doctor import. It prints what it saw so the test can compare.
@@ -76,7 +77,16 @@ def steps_of(path) -> list[dict]:
     return sorted(RunDir.open(path).read("steps").records, key=lambda r: (r["rank"], r["step"]))
 
 
-@pytest.mark.parametrize("name", ["ciuic_doctor.analysis.steps", "ciuic_doctor.probes.watch_snapshot"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ciuic_doctor.analysis.steps",
+        "ciuic_doctor.probes.watch_snapshot",
+        "ciuic_doctor.probes.watch_steps",
+        "ciuic_doctor.probes.watch_target",
+        "ciuic_doctor.probes.watch_exit",
+    ],
+)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0
@@ -108,7 +118,7 @@ def test_plain_script_is_recorded_with_its_own_argv_and_exit_code(tmp_path, scri
     assert meta["probes"]["watch"]["steps"] == 5
 
 
-def test_grad_scaler_skip_is_a_record_with_the_halved_scale_and_unscaled_loss(tmp_path, script):
+def test_grad_scaler_skip_is_a_record_with_the_scale_it_overflowed_at_and_unscaled_loss(tmp_path, script):
     out = tmp_path / "run"
     done = run_cli("watch", "--out", str(out), "--", str(script), "4", "fp16", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -116,7 +126,9 @@ def test_grad_scaler_skip_is_a_record_with_the_halved_scale_and_unscaled_loss(tm
     records = steps_of(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # the skipped step 2 is still a record
     assert [r["skipped"] for r in records] == [False, True, False, False]
-    assert [r["loss_scale"] for r in records] == [1024.0, 512.0, 512.0, 512.0]
+    # The scale each step's loss was multiplied by: step 2 overflowed at 1024 (issue 13.4), then halved.
+    assert [r["loss_scale"] for r in records] == [1024.0, 1024.0, 512.0, 512.0]
+    assert [r["loss_scale_next"] for r in records] == [1024.0, 512.0, 512.0, 512.0]
     assert [r["loss"] for r in records] == seen["losses"]  # unscaled: what the script computed
     assert records[0]["grad_norm_source"] == "computed"  # the script does not clip
     assert records[0]["grad_norm"] == pytest.approx(seen["norms"][0], rel=1e-6)

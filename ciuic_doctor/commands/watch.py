@@ -2,20 +2,27 @@
 
     ciuic-doctor watch [--out RUN] -- script.py [args]       as `python script.py [args]` would
     ciuic-doctor watch -- -m package.module [args]           as `python -m package.module [args]`
+    ciuic-doctor watch -- project_dir/ [args]                 as `python project_dir/` (its __main__.py)
     torchrun --nproc-per-node N -m ciuic_doctor watch -- script.py [args]   one stream per rank
 
 Per step: loss (the scalar backward() ran on, unscaled), LR, grad norm (clip_grad_norm_'s, else computed),
-GradScaler scale and skipped steps, step time, CUDA allocator counters, RSS and USS, and a cross-rank
-weight checksum every --checksum-every steps. No device sync per step. Records are on disk as they are
-made (kill -9 keeps every finished step); the exit code is the script's.
+GradScaler scale (the one the step used, and the next) and skipped steps, step time, CUDA allocator
+counters, RSS and USS, and a cross-rank weight checksum every --checksum-every steps. Every optimizer's
+steps are recorded (`optimizer`: index in creation order, `optimizer_class`). Ranks the script starts
+itself (torch.multiprocessing.spawn, a re-run of its own argv as Lightning devices=2 does) record their
+own streams. No device sync per step. Records are on disk as they are made (kill -9 keeps every finished
+step); the exit code is the script's; meta.json's probes.watch.status says how it ended: finished,
+failed (exit_code), interrupted (Ctrl-C, 130), exited (os._exit) or killed (SIGTERM, 143).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from typing import Any
 
-from ciuic_doctor.commands._common import add_out, positive_int
+from ciuic_doctor.commands._common import add_out, positive_float, positive_int
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -51,9 +58,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
     parser.add_argument(
+        "--agree-timeout",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds step 1 waits for every rank to say it is watched before the weight checksum; "
+        "past it the checksum is skipped (and meta.json says why), never waited for (default 60)",
+    )
+    parser.add_argument(
+        "--no-follow",
+        action="store_true",
+        help="do not attach watch to the ranks the script starts itself (mp.spawn, a re-run of its argv)",
+    )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a rank started by one
+    parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
-        metavar="-- script.py [args] | -- -m module [args]",
+        metavar="-- script.py [args] | -- dir/ [args] | -- -m module [args]",
         help="the training script and its arguments",
     )
 
@@ -68,32 +89,85 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ciuic_doctor.probes import watch_children, watch_exit
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach
 
-    if args.snapshot_on_leak and not torch.cuda.is_available():
+    if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
-
+    watch_children.set_target(argv)
     session = attach(
         out=args.out,
+        child=args.child,
         checksum_every=args.checksum_every,
         uss_every=args.uss_every,
         grad_norm=not args.no_grad_norm,
         checksum=not args.no_checksum,
         snapshot_on_leak=args.snapshot_on_leak,
+        agree_timeout_s=args.agree_timeout,
+        follow_children=not args.no_follow,
         probe_fields={"argv": argv},
     )
-    code = 1
+    started = time.time()
+
+    def report(status: str, code: int) -> None:
+        children = watch_children.children_started()
+        _report(session, args, argv, code=code, status=status, children=children, since=started)
+
+    def on_abrupt_end(status: str, code: int) -> None:  # os._exit or SIGTERM: no finally will run
+        if status == "exited":  # os._exit, on the script's own thread: pending records can be written
+            session.close()
+        report(status, code)
+
+    undo_exit = watch_exit.install(on_abrupt_end)
+    code, status = 1, "failed"
     try:
         code = run_script(argv)
+        status = {0: "finished", 130: "interrupted"}.get(code, "failed")
+    except BaseException:  # our own failure around the script: still say how it ended
+        status = "failed"
+        raise
     finally:
+        undo_exit()
         session.close()
-        if session.rank == 0:
-            status = "finished" if code == 0 else "failed"
-            session.run.record_probe("watch", status=status, exit_code=code, steps=session.steps_written)
-        print(
-            f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in "
-            f"{session.run.stream_path('steps', session.rank)}",
-            file=sys.stderr,
-        )
+        report(status, code)
     return code
+
+
+def _report(
+    session: Any,
+    args: argparse.Namespace,
+    argv: list[str],
+    *,
+    code: int,
+    status: str,
+    children: int,
+    since: float,
+) -> None:
+    """The closing line on stderr and, from the launching process, how the job ended in meta.json."""
+    where = session.run.stream_path("steps", session.rank)
+    if args.child:  # a rank the script started: the launching process records the job's status
+        print(f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}",
+              file=sys.stderr)  # fmt: skip
+        return
+    steps_all = session.steps_written
+    if children:
+        steps_all = sum(1 for r in session.run.read("steps").records if (r.get("t") or 0) >= since)
+    fields = {"status": status, "exit_code": code, "steps": session.steps_written, "segment": session.segment}
+    if children:
+        fields.update(children=children, steps_all_processes=steps_all)
+    if session.checksum_note:
+        fields["checksum"] = session.checksum_note
+    if session.rank == 0:
+        session.run.record_probe("watch", argv=argv, **fields)
+    line = f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}"
+    if children:
+        line += (
+            f"; {children} process(es) the script started recorded {steps_all - session.steps_written} more"
+        )
+    elif session.steps_written == 0 and code == 0:
+        line += (
+            " -- no optimizer step was seen: the script stepped no torch.optim optimizer in this process "
+            "(see README, 'What watch understands')"
+        )
+    print(line, file=sys.stderr)

@@ -36,6 +36,7 @@ WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped
 IMPORTED_ONLY = ("interval_steps", "series", "attempted_scale")
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
             "interval_steps", "series", "attempted_scale")  # fmt: skip
+WANTED, _NUMERIC = (*WANTED, "loss_scale_next"), (*_NUMERIC, "loss_scale_next")  # watch since issue 13
 _FLATTEN = bytes.maketrans(b",", b":")
 
 
@@ -56,13 +57,24 @@ def load(path: Path) -> StepLog:
     raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(WANTED))
     step = raw["step"]
     rank = raw["rank"]
+    # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
+    # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
+    next_scale = pd.to_numeric(raw.get("loss_scale_next", pd.Series(dtype="float64")), errors="coerce")
+    if next_scale.notna().any():
+        raw["loss_scale"] = next_scale.where(
+            next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
+        )
     interval = intervals(step, rank)
     written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
     if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
         interval = written.fillna(interval)
     table = normalize(
         {
-            **{k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps")},
+            **{
+                k: raw.get(k)
+                for k in WANTED
+                if k not in ("clip_max_norm", "interval_steps", "loss_scale_next")
+            },
             "interval_steps": interval,
         },
         source=f"ours:{path.name}",

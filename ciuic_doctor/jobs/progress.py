@@ -35,7 +35,7 @@ def step_line(record: dict[str, Any], total: int) -> str:
     """One progress line for a steps record.
 
     >>> step_line({"step": 3, "loss": 6.5, "lr": 1e-4, "grad_norm": 1.25, "step_time_s": 0.08,
-    ...            "skipped": True, "loss_scale": 32768.0}, 40)
+    ...            "skipped": True, "loss_scale": 65536.0, "loss_scale_next": 32768.0}, 40)
     'step 3/40  loss 6.5000  lr 1.00e-04  grad_norm 1.250  0.080 s  SKIPPED (scale now 32768)'
     """
     line = (
@@ -44,7 +44,9 @@ def step_line(record: dict[str, Any], total: int) -> str:
         f"{_num(record.get('step_time_s'), '.3f')} s"
     )
     if record.get("skipped"):
-        line += f"  SKIPPED (scale now {_num(record.get('loss_scale'), '.0f')})"
+        # watch records the scale the step used (loss_scale) and the one update() set (loss_scale_next)
+        now = record.get("loss_scale_next", record.get("loss_scale"))
+        line += f"  SKIPPED (scale now {_num(now, '.0f')})"
     if record.get("desync_ranks"):
         line += f"  DESYNC: ranks {record['desync_ranks']} differ from rank 0"
     return line

@@ -1,0 +1,85 @@
+"""The wrappers watch puts around torch's functions: each hands what it saw to the session's hook bodies
+(`session._on_backward`, `_on_clip`, ...) through `session._guarded`, so a bug in them never breaks the
+user's training. `WatchSession._install` applies them; a new hook is one more factory here and one
+`self._patch` line there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ciuic_doctor.probes.watch_steps import found_inf
+
+
+def backward(session: Any, original: Callable) -> Callable:
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        # Re-entrant activation checkpointing calls backward inside backward: not a new loss.
+        if session._backward_depth == 0:
+            session._guarded(session._on_backward, tensors)
+        session._backward_depth += 1
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            session._backward_depth -= 1
+
+    return backward
+
+
+def clip_grad_norm_(session: Any, original: Callable) -> Callable:
+    def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        total = original(*args, **kwargs)
+        max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+        session._guarded(session._on_clip, total, max_norm)
+        return total
+
+    return clip_grad_norm_
+
+
+def scale(session: Any, original: Callable) -> Callable:
+    def scale(scaler: Any, outputs: Any) -> Any:
+        result = original(scaler, outputs)
+        session._guarded(session._on_scale, scaler, outputs, result)
+        return result
+
+    return scale
+
+
+def scaler_step(session: Any, original: Callable) -> Callable:
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not scaler.is_enabled():  # a disabled scaler calls optimizer.step() and nothing else
+            return original(scaler, optimizer, *args, **kwargs)
+        session._guarded(session._on_scaler_step, optimizer)
+        session._in_scaler_step.add(id(optimizer))
+        try:
+            return original(scaler, optimizer, *args, **kwargs)
+        finally:
+            session._in_scaler_step.discard(id(optimizer))
+
+    return step
+
+
+def scaler_update(session: Any, original: Callable) -> Callable:
+    def update(scaler: Any, new_scale: Any = None) -> None:
+        found = session._guarded(found_inf, scaler) if new_scale is None else None
+        original(scaler, new_scale)
+        if scaler.is_enabled() and session._awaiting_update:
+            session._guarded(session._flush_awaiting, scaler=scaler, found_inf=found or {})
+
+    return update
+
+
+def ddp_init(session: Any, original: Callable) -> Callable:
+    def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(ddp, *args, **kwargs)
+        session._guarded(session.watch_replicas, ddp.module, getattr(ddp, "process_group", None))
+
+    return __init__
+
+
+def optimizer_init(session: Any, original: Callable) -> Callable:
+    def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(optimizer, *args, **kwargs)
+        session._guarded(session._on_optimizer_created, optimizer)
+
+    return __init__

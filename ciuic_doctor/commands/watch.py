@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA only: record allocation history and dump RUN/memory_snapshot.rank<R>.pickle "
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
+    parser.add_argument(  # issue 14
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help="stop the script cleanly after N optimizer steps (SystemExit(0); every record is kept)",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -68,12 +74,14 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
+    from ciuic_doctor.probes import watch_observe  # issue 14
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach
 
     if args.snapshot_on_leak and not torch.cuda.is_available():
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
 
+    watch_observe.stop_after(args.steps)  # issue 14
     session = attach(
         out=args.out,
         checksum_every=args.checksum_every,
@@ -88,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         code = run_script(argv)
     finally:
         session.close()
+        watch_observe.write_meta()  # issue 14: the final `observed`, every step record flushed
         if session.rank == 0:
             status = "finished" if code == 0 else "failed"
             session.run.record_probe("watch", status=status, exit_code=code, steps=session.steps_written)

@@ -111,12 +111,15 @@ def _sqrt_claim_observed(tip: Tip, ctx: Context, ran: dict) -> None:
     """A watched script sets its own LR: say which one it ran; the rule itself was not exercised."""
     lr = ran["lr_ran"]
     scheduler = _scheduler_name(ran)
+    batch = "global batch not observed (no DataLoader)"
+    if not ctx.assumed("batch.per_process"):
+        batch = f"global batch {ctx.spec.global_batch}"
     tip.add(
         "the sqrt rule fits this optimizer",
         UNMEASURED,
         f"the job ran its own LR, not a sqrt-scaled one: {ran.get('class', 'its optimizer')} from "
         f"{lr['first']:.4g} to a peak of {lr['peak']:.4g} at step {lr['peak_step']} "
-        f"({scheduler}), global batch {ctx.spec.global_batch}; the batch that LR was tuned for is not "
+        f"({scheduler}), {batch}; the batch that LR was tuned for is not "
         "known, so the rule was not tested by this run",
     )
 

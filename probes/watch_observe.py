@@ -226,6 +226,21 @@ class Observer:
         first = next(iter(params.values()), None)
         self.param_dtype = str(first.dtype).removeprefix("torch.") if first is not None else None
         self.env = _distributed_env()  # as the first step saw it (a script may export NCCL_* itself)
+        if not self.process_group:
+            self._process_group_made_before_watch()
+
+    def _process_group_made_before_watch(self) -> None:
+        """A process group created before watch attached (the explicit attach() form): its backend and
+        world are still readable; its timeout is not (no public getter), so it stays unobserved."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            self.process_group = {
+                "backend": str(dist.get_backend()),
+                "timeout_s": None,
+                "timeout_known": False,
+                "world_size": dist.get_world_size(),
+            }
 
     def on_step(self, optimizer: Any) -> None:
         if self._primary is None:
@@ -441,7 +456,12 @@ def redact_argv(argv: list[str]) -> list[str]:
 
 def script_name(argv: list[str]) -> str:
     """What the report calls the job: the script's file name, or the module's name for `-m`."""
-    return Path(argv[0]).name if argv else "script"
+    if not argv:
+        return "script"
+    path = Path(argv[0])
+    if path.name == "__main__.py":  # `python -m package`: name the package (and its sub-command)
+        return " ".join([path.parent.name, *argv[1:2]])
+    return path.name
 
 
 def _plain(value: Any) -> Any:

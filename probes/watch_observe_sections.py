@@ -169,9 +169,11 @@ def _distributed(observer: Any) -> dict[str, Any]:
         name = "nccl" if "nccl" in backend else "gloo" if "gloo" in backend else None
         if name:
             out["backend"] = name
-        # No timeout given: the job runs with PyTorch's default for its backend (reference/collectives.md).
-        out["timeout_s"] = pg.get("timeout_s") or default_pg_timeout_s(name)
-        out["timeout_is_default"] = pg.get("timeout_s") is None
+        if pg.get("timeout_known", True):
+            # No timeout given: the job runs with PyTorch's default for its backend (600 s NCCL, 1800 s
+            # otherwise; reference/collectives.md).
+            out["timeout_s"] = pg.get("timeout_s") or default_pg_timeout_s(name)
+            out["timeout_is_default"] = pg.get("timeout_s") is None
         out["world_size"] = pg.get("world_size")
         out["local_world_size"] = int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or None
     if observer.wrapper:

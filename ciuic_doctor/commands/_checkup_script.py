@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.commands.checkup import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, Phase
+from ciuic_doctor.commands.checkup import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup
 
 OBSERVED_SPEC = "checkup-observed.toml"  # the observed job as a spec file, for loader-sweep's --spec
 PHASES = ("comm-bench", "job", "memwatch", "loader-sweep", "checkpoint-check")
@@ -61,18 +60,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         "checkpoint-check saves and resumes the embedded job; a script's own checkpoints are not reached",
     )
 
-    from ciuic_doctor.report import build_report
-
-    t0 = time.perf_counter()
-    result = build_report(run_dir, spec_path=args.spec, analyze=True)
-    checkup.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
-    total_s = round(time.perf_counter() - started, 2)
-    run_dir.update_meta(checkup={"phases": [asdict(p) for p in checkup.phases], "seconds": total_s})
-    checkup.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
-    print()
-    print(result.summary)
-    print(f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}")
-    return 1 if args.strict and result.overall == "fail" else 0
+    return checkup.report(args, started)
 
 
 def _watch_phase(

@@ -178,6 +178,23 @@ class Checkup:
             phase.status, phase.reason = "failed", f"exit code {code}: {_last_line(output)}"
         self._record(phase)
 
+    def report(self, args: argparse.Namespace, started: float) -> int:
+        """The last phase: analyses, recommendations and report; prints the summary; the exit code."""
+        from ciuic_doctor.report import build_report
+
+        t0 = time.perf_counter()
+        result = build_report(self.run, spec_path=args.spec, analyze=True)
+        self.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
+        total_s = round(time.perf_counter() - started, 2)
+        self.run.update_meta(checkup={"phases": [asdict(p) for p in self.phases], "seconds": total_s})
+        self.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
+        print()
+        print(result.summary)
+        print(
+            f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}"
+        )
+        return 1 if args.strict and result.overall == "fail" else 0
+
     def run_phase(self, name: str, argv: list[str], timeout_s: float) -> Phase:
         phase, proc = self.start(name, argv)
         self.finish(phase, proc, timeout_s)
@@ -244,15 +261,4 @@ def run(args: argparse.Namespace) -> int:
         else:
             checkup.skip("memwatch", "left out with --skip" if "memwatch" in skip else "no job to attach to")
 
-    from ciuic_doctor.report import build_report
-
-    t0 = time.perf_counter()
-    result = build_report(run_dir, spec_path=args.spec, analyze=True)
-    checkup.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
-    total_s = round(time.perf_counter() - started, 2)
-    run_dir.update_meta(checkup={"phases": [asdict(p) for p in checkup.phases], "seconds": total_s})
-    checkup.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
-    print()
-    print(result.summary)
-    print(f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}")
-    return 1 if args.strict and result.overall == "fail" else 0
+    return checkup.report(args, started)

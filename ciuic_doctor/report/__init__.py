@@ -50,12 +50,10 @@ def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
 
 
 def resolve_spec(meta: dict[str, Any], path: str | Path | None) -> ResolvedSpec:
-    """--spec when given; else what a watched script configured (meta.json `observed`); else the spec the
-    embedded job recorded; else the embedded default, marked as a fallback with the reason."""
+    """--spec when given; else the spec the embedded job recorded; else what a watched script configured
+    (meta.json `observed`); else the embedded default, marked as a fallback with the reason."""
     if path is not None:
         return ResolvedSpec(spec=load_spec(path), kind="file")
-    if has_observed(meta):
-        return spec_from_observed(meta["observed"])
     # The job records the spec it trained with (--spec and --set resolved), after checkup's own record.
     recorded = meta.get("spec") if isinstance(meta.get("spec"), dict) and "optim" in meta["spec"] else None
     spec = load_spec()
@@ -64,8 +62,11 @@ def resolve_spec(meta: dict[str, Any], path: str | Path | None) -> ResolvedSpec:
         try:
             spec = replace(with_updates(spec, sections), source="meta.json (recorded by the job)")
             return ResolvedSpec(spec=spec, kind="recorded")
-        except UserError:  # a spec from another version of the tool: fall back to the default, don't fail
-            return fallback("the job spec in meta.json is from another version of ciuic-doctor")
+        except UserError:  # a spec from another version of the tool: fall back, don't fail
+            if not has_observed(meta):
+                return fallback("the job spec in meta.json is from another version of ciuic-doctor")
+    if has_observed(meta):  # after the embedded job's own spec: that one is exact, `observed` a reading
+        return spec_from_observed(meta["observed"])
     probes = meta.get("probes") if isinstance(meta.get("probes"), dict) else {}
     if "watch" in probes:
         return fallback("watch recorded the steps but not the script's settings")

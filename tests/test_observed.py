@@ -116,12 +116,17 @@ def test_current_settings_come_from_observed_and_unexposed_ones_get_none(plain_r
     assert current["dataloader.prefetch_factor"] == 3
     assert "optim.lr_scaling" not in current  # the reference batch was not observed: nothing to scale
 
-    # The same script without a DataLoader: no DataLoader recommendation at all.
+    # The same script without a DataLoader (and in fp16): no DataLoader recommendation at all.
     out = tmp_path / "run"
-    done = run_cli("watch", "--out", str(out), "--", str(SCRIPTS / "plain_train.py"), "--no-loader")
+    script = str(SCRIPTS / "plain_train.py")
+    done = run_cli("watch", "--out", str(out), "--", script, "--no-loader", "--fp16")
     assert done.returncode == 0, done.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["observed"]["dataloader"] == {}
+    precision = meta["observed"]["precision"]
+    assert (precision["mode"], precision["init_scale"], precision["growth_interval"]) == ("fp16", 256.0, 50)
+    assert precision["autocast"] == {"device_type": "cpu", "dtype": "float16"}
+    assert meta["observed"]["optim"]["clip_max_norm"] == 0.5
     resolved = resolve_spec(meta, None)
     assert "dataloader.num_workers" in resolved.assumed
     plan = recommend(resolved.spec, [sweep], meta, resolved=resolved)

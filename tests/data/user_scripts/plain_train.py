@@ -1,6 +1,6 @@
 """A plain PyTorch training script with a setting of its own for everything watch observes.
 
-Run as `plain_train.py [--api-token T] [--no-loader]`; tests/test_observed.py compares meta.json's
+Run as `plain_train.py [--api-token T] [--no-loader] [--fp16]`; tests/test_observed.py compares meta.json's
 `observed` with the values below.
 """
 
@@ -35,13 +35,18 @@ def main() -> None:  # guarded: forkserver workers import this file
         eps=1e-7,
     )
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=64, pct_start=0.25)
+    fp16 = "--fp16" in sys.argv  # fp16 autocast with a GradScaler of its own settings
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=50, enabled=fp16)
     accum = 2
     for i, (xb, yb) in enumerate(batches):
-        loss = torch.nn.functional.mse_loss(model(xb), yb) / accum
-        loss.backward()
+        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+            loss = torch.nn.functional.mse_loss(model(xb).float(), yb) / accum
+        scaler.scale(loss).backward()
         if (i + 1) % accum == 0:
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             sched.step()
             opt.zero_grad()
     print("trained", flush=True)

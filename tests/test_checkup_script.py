@@ -71,13 +71,13 @@ def test_checkup_of_a_script_without_dataset_says_why_loader_sweep_did_not_run(t
     out = tmp_path / "run"
     done = run_cli(
         "checkup", "--steps", "2", "--skip", "memwatch", "--out", str(out),
-        "--", "-m", "plain_train", "--no-loader",  # the `python -m module` form
+        "--", "-m", "plain_train",  # the `python -m module` form
         cwd=SCRIPTS, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     phases = phases_of(json.loads((out / "meta.json").read_text()))
     assert phases["job"]["status"] == "ok"
-    assert phases["job"]["argv"][-3:] == ["-m", "plain_train", "--no-loader"]
+    assert phases["job"]["argv"][-2:] == ["-m", "plain_train"]
     assert len(RunDir.open(out).read("steps").records) == 2
     assert phases["comm-bench"]["status"] == "skipped"  # one process: no collective to measure
     assert "--dataset module:callable" in phases["loader-sweep"]["reason"]

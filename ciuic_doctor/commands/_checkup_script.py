@@ -96,14 +96,14 @@ def _loader_phase(
         checkup.skip("loader-sweep", "left out with --skip")
         return
     observed = run_dir.read_meta().get("observed") or {}
+    if observed and not observed.get("dataloader"):
+        checkup.skip("loader-sweep", "the script built no torch DataLoader: there is nothing to tune")
+        return
     if not args.dataset:
         checkup.skip(
             "loader-sweep",
             "the script's dataset cannot be rebuilt outside the script: give --dataset module:callable",
         )
-        return
-    if observed and not observed.get("dataloader"):
-        checkup.skip("loader-sweep", "the script built no torch DataLoader: there is nothing to tune")
         return
     sweep = ["loader-sweep", "--dataset", args.dataset, "--budget", f"{args.loader_budget:g}"]
     sweep += ["--local-world-size", str(nproc), "--out", out]

@@ -172,3 +172,30 @@ def test_observed_values_the_spec_cannot_hold_stay_assumed():
     assert result.spec.dataloader.num_workers == 2
     assert "optim.name" in result.assumed
     assert "dataloader.multiprocessing_context" in result.assumed
+
+
+def test_a_script_without_a_dataloader_gets_no_loader_sweep_and_tip_2_says_why(tmp_path):
+    import argparse
+
+    from ciuic_doctor.commands._checkup_script import _loader_phase
+    from ciuic_doctor.commands.checkup import Checkup
+    from ciuic_doctor.recommend import Context
+    from ciuic_doctor.seed_tips import evaluate_tips
+
+    run = RunDir.create(tmp_path / "run")
+    observed = {"job": {"name": "train.py", "nodes": 1, "procs_per_node": 1}, "dataloader": {}}
+    run.update_meta(observed=observed)
+    checkup = Checkup(run, total=1)
+    args = argparse.Namespace(dataset="mydata:build", loader_budget=5.0)
+    _loader_phase(checkup, args, run, nproc=1, out=str(run.path), skip=set())
+    (phase,) = checkup.phases
+    assert phase.status == "skipped"
+    assert "no torch DataLoader" in phase.reason
+
+    meta = run.read_meta()
+    resolved = resolve_spec(meta, None)
+    tips = evaluate_tips(Context(spec=resolved.spec, findings=[], meta=meta, resolved=resolved))
+    tip2 = next(t for t in tips if t.number == 2)
+    assert {c.evidence for c in tip2.claims} == {
+        "the job builds no torch DataLoader: these settings do not apply to it"
+    }

@@ -89,3 +89,10 @@ def test_checkup_refuses_a_missing_script(tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_dataset_without_a_script_is_a_usage_error(tmp_path):
+    done = run_cli("checkup", "--dataset", "mydata:build", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert "give the script" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
 
     if script := _checkup_script.script_argv(args):  # issue 14: the user's own script
         return _checkup_script.run(args, script)
+    if args.dataset:
+        from ciuic_doctor.errors import UserError
+
+        raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")
     from ciuic_doctor.jobs.spec import load_spec
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short

@@ -116,6 +116,8 @@ def _short(value: Any) -> str:
         return f"{value:.6g}"
     if isinstance(value, dict):
         return ", ".join(f"{k}={_short(v)}" for k, v in value.items() if v is not None)
+    if isinstance(value, list) and any(isinstance(v, dict) for v in value):
+        return "; ".join(f"({_short(v)})" for v in value)  # param groups: one (...) each
     if isinstance(value, list):
         return "[" + ", ".join(_short(v) for v in value) + "]"
     return str(value)

@@ -10,7 +10,8 @@ the user's job instead of the embedded DeepSeek one (issue 14):
   max_lr / 25).
 - `LRScheduler.__init__`: the class and the arguments of the outermost constructor (read from its frame).
 - `GradScaler.__init__`, `autocast.__init__`: loss scaling and the autocast dtype.
-- `init_process_group`, `DistributedDataParallel.__init__`, FSDP: backend, timeout, world, wrapper, bucket.
+- `init_process_group`, `DistributedDataParallel.__init__`: backend, timeout, world, wrapper, bucket;
+  FSDP from its sharded parameters at the first step.
 - The step records (watch's listener): LR per step, clip max_norm, backward calls per step.
 - NCCL / TORCH distributed environment, parameter count, the script and its argv (secrets redacted).
 
@@ -221,6 +222,8 @@ class Observer:
         params = {id(p): p for g in optimizer.param_groups for p in g["params"]}
         trainable = sum(p.numel() for p in params.values())
         entry["parameters"] = trainable
+        if not self.wrapper and (wrapper := sharded_wrapper(list(params.values()))):
+            self.wrapper = {"wrapper": wrapper, "parameters_are_shards": True}
         if self.parameters is None:
             self.parameters = trainable
         first = next(iter(params.values()), None)
@@ -398,16 +401,20 @@ def _hook_distributed(observer: Observer, after: Callable[..., None], undo: list
         observer.on_wrapper("DistributedDataParallel", ddp.module, options)
 
     after(DistributedDataParallel, "__init__", on_ddp)
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover (a build without FSDP)
-        return
+    # FSDP is read from its parameters at the first step (sharded_wrapper), not hooked: importing
+    # torch.distributed.fsdp at attach would cost every watched script 1-4 s.
 
-    def on_fsdp(fsdp: Any, *args: Any, **kwargs: Any) -> None:
-        options = {"sharding_strategy": str(getattr(fsdp, "sharding_strategy", "")) or None}
-        observer.on_wrapper("FullyShardedDataParallel", fsdp.module, options)
 
-    after(FullyShardedDataParallel, "__init__", on_fsdp)
+def sharded_wrapper(params: list[Any]) -> str | None:
+    """FSDP1 holds FlatParameters, FSDP2 (fully_shard) DTensors; None for unsharded parameters."""
+    if any(getattr(p, "_is_flat_param", False) for p in params):
+        return "FullyShardedDataParallel"
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in params):
+            return "fully_shard (FSDP2, DTensor parameters)"
+    return None
 
 
 def _constructor_frame(cls: type) -> Any:

@@ -13,6 +13,7 @@ the user's job instead of the embedded DeepSeek one (issue 14):
 - `init_process_group`, `DistributedDataParallel.__init__`: backend, timeout, world, wrapper, bucket;
   FSDP from its sharded parameters at the first step.
 - The step records (watch's listener): LR per step, clip max_norm, backward calls per step.
+- `torch.manual_seed`: the seed set before the first step.
 - NCCL / TORCH distributed environment, parameter count, the script and its argv (secrets redacted).
 
 The record uses the job spec's section and key names (jobs/default.toml) plus a few keys the spec has
@@ -81,6 +82,7 @@ class Observer:
         self.records = 0
         self.param_dtype: str | None = None
         self.broken = False
+        self.seed: int | None = None
         self.argv: list[str] = []  # the script's, read at the first step (watch sets sys.argv after attach)
         self.env = _distributed_env()
 
@@ -160,6 +162,10 @@ class Observer:
                 n: _plain(frame.f_locals[n]) for n in names[1:] if n in frame.f_locals and n != "optimizer"
             }
         self.schedulers.append({"_id": id(scheduler), "class": type(scheduler).__name__, **arguments})
+
+    def on_seed(self, seed: Any, *args: Any, **kwargs: Any) -> None:
+        if self.seed is None and self._primary is None:  # the seed training starts from
+            self.seed = int(seed)
 
     def on_scaler(self, scaler: Any) -> None:
         if not scaler.is_enabled():  # a disabled scaler keeps none of its settings
@@ -350,6 +356,11 @@ def install(session: Any) -> list[Callable[[], None]]:
         observer.on_scheduler(scheduler, _constructor_frame(type(scheduler)))
 
     after(LRScheduler, "__init__", on_scheduler)
+    # torch.manual_seed is torch.random.manual_seed (HF set_seed and Lightning seed_everything call it).
+    original_seed = torch.manual_seed
+    after(torch.random, "manual_seed", observer.on_seed)
+    torch.manual_seed = torch.random.manual_seed
+    undo.append(functools.partial(setattr, torch, "manual_seed", original_seed))
     _hook_distributed(observer, after, undo)
     handle = register_optimizer_step_post_hook(lambda opt, a, k: _step_hook(observer, opt))
     session.add_listener(lambda record: guarded(observer.on_record, record))

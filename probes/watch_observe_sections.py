@@ -29,6 +29,8 @@ def build(observer: Any) -> dict[str, Any]:
     job: dict[str, Any] = {"name": script_name(argv), "script": argv[0] if argv else None}
     job["argv"] = redact_argv(argv)
     job.update(_world(observer))
+    if observer.seed is not None:
+        job["seed"] = observer.seed
     if observer.steps:
         job["steps"] = planned or observer.steps
         job["steps_recorded"] = observer.steps

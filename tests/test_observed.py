@@ -77,6 +77,7 @@ def test_observed_equals_what_the_plain_script_set(plain_run):
     assert observed["precision"]["mode"] == "fp32"
     assert observed["model"]["parameters"] == 16 * 32 + 32 + 32 + 1
     assert observed["job"]["procs_per_node"] == 1
+    assert observed["job"]["seed"] == 0  # torch.manual_seed(0)
 
 
 def test_report_describes_the_watched_script(plain_run):

@@ -52,6 +52,7 @@ def test_hf_trainer_settings_are_observed(tmp_path):
     assert observed["dataloader"]["batch_size"] == 4
     assert observed["dataloader"]["num_workers"] == 0
     assert observed["precision"]["mode"] == "fp32"
+    assert observed["job"]["seed"] == 3  # TrainingArguments(seed=3): the Trainer's set_seed
     html, toml, tips = report_of(out)
     assert "<title>ciuic-doctor: hf_train.py" in html
     assert "base_lr = 0.0005" in toml

@@ -25,7 +25,7 @@ def test_checkup_of_a_ddp_script_on_two_ranks(tmp_path):
     done = run_cli(
         "checkup", "--nproc", "2", "--steps", "6", "--loader-budget", "3", "--dataset", "tinydata:build",
         "--out", str(out), "--", str(SCRIPTS / "ddp_train.py"),
-        cwd=SCRIPTS, timeout=400,
+        cwd=SCRIPTS, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     meta = json.loads((out / "meta.json").read_text())
@@ -72,7 +72,7 @@ def test_checkup_of_a_script_without_dataset_says_why_loader_sweep_did_not_run(t
     done = run_cli(
         "checkup", "--steps", "2", "--skip", "memwatch", "--out", str(out),
         "--", "-m", "plain_train",  # the `python -m module` form
-        cwd=SCRIPTS, timeout=240,
+        cwd=SCRIPTS, timeout=480,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     phases = phases_of(json.loads((out / "meta.json").read_text()))

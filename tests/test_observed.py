@@ -20,6 +20,7 @@ from ciuic_doctor.store import RunDir
 from tests.conftest import run_cli
 
 SCRIPTS = Path(__file__).parent / "data" / "user_scripts"
+WATCH_TIMEOUT_S = 360  # a few seconds alone; generous for a 2-core machine shared by several suites
 
 
 @pytest.mark.parametrize("name", ["ciuic_doctor.observed", "ciuic_doctor.probes.watch_observe"])
@@ -34,7 +35,16 @@ def plain_run(tmp_path_factory) -> Path:
     """plain_train.py under watch, once for the module (16 steps, one DataLoader worker)."""
     out = tmp_path_factory.mktemp("plain") / "run"
     script = SCRIPTS / "plain_train.py"
-    done = run_cli("watch", "--out", str(out), "--", str(script), "--api-token", "hunter2-secret")
+    done = run_cli(
+        "watch",
+        "--out",
+        str(out),
+        "--",
+        str(script),
+        "--api-token",
+        "hunter2-secret",
+        timeout=WATCH_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -120,7 +130,7 @@ def test_current_settings_come_from_observed_and_unexposed_ones_get_none(plain_r
     # The same script without a DataLoader (and in fp16): no DataLoader recommendation at all.
     out = tmp_path / "run"
     script = str(SCRIPTS / "plain_train.py")
-    done = run_cli("watch", "--out", str(out), "--", script, "--no-loader", "--fp16")
+    done = run_cli("watch", "--out", str(out), "--", script, "--no-loader", "--fp16", timeout=WATCH_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     meta = json.loads((out / "meta.json").read_text())
     assert meta["observed"]["dataloader"] == {}
@@ -137,7 +147,9 @@ def test_current_settings_come_from_observed_and_unexposed_ones_get_none(plain_r
 def test_steps_stops_the_script_cleanly_with_every_record(tmp_path):
     out = tmp_path / "run"
     script = str(SCRIPTS / "plain_train.py")
-    done = run_cli("watch", "--steps", "3", "--out", str(out), "--", script, "--no-loader")
+    done = run_cli(
+        "watch", "--steps", "3", "--out", str(out), "--", script, "--no-loader", timeout=WATCH_TIMEOUT_S
+    )
     assert done.returncode == 0, done.stderr
     assert "trained" not in done.stdout  # it really stopped
     assert "stopping after 3 optimizer steps" in done.stderr

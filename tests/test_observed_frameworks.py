@@ -18,7 +18,7 @@ SCRIPTS = Path(__file__).parent / "data" / "user_scripts"
 
 def watched(tmp_path: Path, script: str, *args: str) -> tuple[Path, dict]:
     out = tmp_path / "run"
-    done = run_cli("watch", "--out", str(out), "--", str(SCRIPTS / script), *args, timeout=240)
+    done = run_cli("watch", "--out", str(out), "--", str(SCRIPTS / script), *args, timeout=480)
     assert done.returncode == 0, done.stderr
     return out, json.loads((out / "meta.json").read_text())["observed"]
 

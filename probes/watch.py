@@ -245,6 +245,10 @@ class WatchSession:
             self._undo.append(watch_children.install(self))
         atexit.register(self._at_exit)
         self._undo.append(functools.partial(atexit.unregister, self._at_exit))
+        # issue 14: record what the script configured into meta.json "observed" (probes/watch_observe.py)
+        from ciuic_doctor.probes import watch_observe
+
+        self._undo += watch_observe.install(self)
 
     def _at_exit(self) -> None:
         if not self._closed:

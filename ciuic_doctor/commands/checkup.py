@@ -1,5 +1,6 @@
 """The whole checkup of a training job in one command, into one run directory. On the embedded
-DeepSeek-V3 job by default (or the job --spec describes), each phase runs as a `python -m ciuic_doctor`
+DeepSeek-V3 job by default (or the job --spec describes; `-- train.py [args]` checks your own script,
+see _checkup_script), each phase runs as a `python -m ciuic_doctor`
 subprocess writing into the same RUN, in this order: comm-bench on --nproc local ranks (a small size range;
 with CUDA up to twice the gradient bucket, so Ring vs Tree is judged where the job's all-reduces are);
 loader-sweep within --loader-budget seconds; the job itself under watch, with memwatch attached to it by
@@ -50,8 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec", metavar="JOB.TOML", help="the job to check (default: the embedded DeepSeek-V3 job)"
     )
     add_out(parser)
-    parser.add_argument("--nproc", type=positive_int, help="local ranks (default: the spec's procs_per_node)")
-    parser.add_argument("--steps", type=positive_int, help="training steps of the job (default: the spec's)")
+    parser.add_argument(
+        "--nproc",
+        type=positive_int,
+        help="local ranks (default: the spec's procs_per_node; for a script 1, more runs it under torchrun)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        help="training steps of the job (default: the spec's); a script is stopped cleanly after N "
+        "optimizer steps",
+    )
     parser.add_argument(
         "--loader-budget", type=positive_float, default=20.0, metavar="S", help="loader-sweep budget (20 s)"
     )
@@ -64,6 +74,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RUN",
         help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
         "checkup --baseline <first run>)",
+    )
+    script = parser.add_argument_group("your own script (issue 14): checkup [options] -- train.py [args]")
+    script.add_argument(
+        "--dataset",
+        metavar="MODULE:CALLABLE",
+        help="rebuilds the script's dataset for loader-sweep (else loader-sweep is not run)",
+    )
+    script.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=1800.0,
+        metavar="S",
+        help="the script's time limit under watch (default 1800 s; --steps N keeps it short)",
+    )
+    script.add_argument(
+        "script_argv",  # not "command": the CLI front keeps the sub-command's name there
+        nargs=argparse.REMAINDER,
+        metavar="-- script.py [args] | -- -m module [args]",
+        help="check your own training script instead of the embedded job, e.g. "
+        "`ciuic-doctor checkup --nproc 2 --steps 50 -- train.py --config tiny.yaml`",
     )
 
 
@@ -108,7 +138,10 @@ class Checkup:
     def skip(self, name: str, reason: str, status: str = "skipped") -> None:
         self._record(Phase(name=name, status=status, reason=reason))
 
-    def start(self, name: str, argv: list[str]) -> tuple[Phase, subprocess.Popen | None]:
+    def start(
+        self, name: str, argv: list[str], launcher: list[str] | None = None
+    ) -> tuple[Phase, subprocess.Popen | None]:
+        """Start `python -m ciuic_doctor <argv>`, or `<launcher> -m ciuic_doctor <argv>` (torchrun)."""
         phase = Phase(name=name, argv=argv)
         if not _available(name):
             phase.status, phase.reason = "missing", f"the {name} command is not available in this build"
@@ -117,7 +150,7 @@ class Checkup:
         # The raw output may echo a secret: it goes to an anonymous temp file (gone even after a crash or
         # Ctrl-C), and only its scrubbed copy reaches the run directory.
         log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 (closed in finish)
-        command = [sys.executable, "-m", "ciuic_doctor", *argv]
+        command = [*(launcher or [sys.executable]), "-m", "ciuic_doctor", *argv]
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), text=True)
         proc.log = log  # type: ignore[attr-defined]
         phase.seconds = time.perf_counter()
@@ -151,6 +184,28 @@ class Checkup:
             phase.status, phase.reason = "failed", f"exit code {code}: {_last_line(output)}"
         self._record(phase)
 
+    def report(self, args: argparse.Namespace, started: float, baseline: Any = None) -> int:
+        """The last phase: analyses, recommendations and report (compared with `baseline`, a RunDir, when
+        given); prints the summary; the exit code."""
+        from ciuic_doctor.report import build_report
+
+        t0 = time.perf_counter()
+        result = build_report(self.run, spec_path=args.spec, analyze=True, baseline=baseline)
+        self.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
+        total_s = round(time.perf_counter() - started, 2)
+        self.run.update_meta(checkup={"phases": [asdict(p) for p in self.phases], "seconds": total_s})
+        self.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
+        print()
+        print(result.summary)
+        if baseline is not None:
+            from ciuic_doctor.compare import summary_lines
+
+            print("\n".join(["", *summary_lines(self.run.read_json("comparison.json"))]))
+        print(
+            f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}"
+        )
+        return 1 if args.strict and result.overall == "fail" else 0
+
     def run_phase(self, name: str, argv: list[str], timeout_s: float) -> Phase:
         phase, proc = self.start(name, argv)
         self.finish(phase, proc, timeout_s)
@@ -158,6 +213,14 @@ class Checkup:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.commands import _checkup_script
+
+    if script := _checkup_script.script_argv(args):  # issue 14: the user's own script
+        return _checkup_script.run(args, script)
+    if args.dataset:
+        from ciuic_doctor.errors import UserError
+
+        raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")
     from ciuic_doctor.jobs.spec import load_spec
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
@@ -214,19 +277,4 @@ def run(args: argparse.Namespace) -> int:
         else:
             checkup.skip("memwatch", "left out with --skip" if "memwatch" in skip else "no job to attach to")
 
-    from ciuic_doctor.report import build_report
-
-    t0 = time.perf_counter()
-    result = build_report(run_dir, spec_path=args.spec, analyze=True, baseline=baseline)
-    checkup.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
-    total_s = round(time.perf_counter() - started, 2)
-    run_dir.update_meta(checkup={"phases": [asdict(p) for p in checkup.phases], "seconds": total_s})
-    checkup.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
-    print()
-    print(result.summary)
-    if baseline is not None:
-        from ciuic_doctor.compare import summary_lines
-
-        print("\n".join(["", *summary_lines(run_dir.read_json("comparison.json"))]))
-    print(f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}")
-    return 1 if args.strict and result.overall == "fail" else 0
+    return checkup.report(args, started, baseline=baseline)

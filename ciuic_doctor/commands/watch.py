@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA only: record allocation history and dump RUN/memory_snapshot.rank<R>.pickle "
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
+    parser.add_argument(  # issue 14
+        "--steps",
+        type=positive_int,
+        metavar="N",
+        help="stop the script cleanly after N optimizer steps (SystemExit(0); every record is kept)",
+    )
     parser.add_argument(
         "--agree-timeout",
         type=positive_float,
@@ -89,13 +95,14 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ciuic_doctor.probes import watch_children, watch_exit
+    from ciuic_doctor.probes import watch_children, watch_exit, watch_observe
     from ciuic_doctor.probes.watch import run_script
     from ciuic_doctor.watch import attach
 
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
     watch_children.set_target(argv)
+    watch_observe.stop_after(args.steps)  # issue 14
     session = attach(
         out=args.out,
         child=args.child,
@@ -130,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         undo_exit()
         session.close()
+        watch_observe.write_meta()  # issue 14: the final `observed`, every step record flushed
         report(status, code)
     return code
 

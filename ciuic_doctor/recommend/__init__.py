@@ -24,6 +24,7 @@ from typing import Any
 
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.jobs.spec import JobSpec
+from ciuic_doctor.observed import ResolvedSpec
 from ciuic_doctor.recommend import comm, memory, training
 from ciuic_doctor.recommend.comm import longest_waits
 from ciuic_doctor.recommend.core import (
@@ -81,10 +82,31 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def recommend(spec: JobSpec, findings: list[Finding], meta: dict[str, Any] | None = None) -> Plan:
-    """Every rule on the findings of one run; rules whose measurements are absent add nothing."""
-    ctx = Context(spec=spec, findings=list(findings), meta=meta or {})
+def recommend(
+    spec: JobSpec,
+    findings: list[Finding],
+    meta: dict[str, Any] | None = None,
+    *,
+    resolved: ResolvedSpec | None = None,
+) -> Plan:
+    """Every rule on the findings of one run; rules whose measurements are absent add nothing.
+
+    For an observed job (`resolved` from meta.json's `observed`), a spec setting the job did not expose
+    (no DataLoader, a key watch did not see) gets no recommendation: its "current" would be a default.
+    """
+    ctx = Context(spec=spec, findings=list(findings), meta=meta or {}, resolved=resolved)
     plan = Plan()
     for rule in RULES:
         rule(ctx, plan)
+    plan.recommendations = [r for r in plan.recommendations if _job_exposes(ctx, r.setting)]
     return plan
+
+
+def _job_exposes(ctx: Context, setting: str) -> bool:
+    kind = setting_kind(setting)
+    if kind == "spec":
+        return ctx.exposed(setting)
+    if kind == "env" and setting.startswith(("NCCL_", "TORCH_NCCL_")) and ctx.observed:
+        # A single-process job runs no collective: its NCCL settings change nothing.
+        return not (ctx.exposed("job.procs_per_node") and ctx.spec.world_size == 1)
+    return True

@@ -11,6 +11,7 @@ from typing import Any
 
 from ciuic_doctor.findings import Confidence, Finding, Recommendation
 from ciuic_doctor.jobs.spec import JobSpec
+from ciuic_doctor.observed import ResolvedSpec
 
 # PyTorch's defaults, named wherever a rule compares with them.
 GRADSCALER_INIT_SCALE = 2.0**16
@@ -85,6 +86,23 @@ class Context:
     spec: JobSpec
     findings: list[Finding]
     meta: dict[str, Any] = field(default_factory=dict)
+    resolved: ResolvedSpec | None = None  # where the spec came from; None: a spec the caller built
+
+    @property
+    def observed(self) -> dict[str, Any]:
+        """What the watched script configured (meta.json `observed`), {} for any other spec."""
+        return self.resolved.observed if self.resolved is not None else {}
+
+    def assumed(self, setting: str) -> bool:
+        """True when `setting` (a dotted spec key) is a default standing in for a value nobody observed."""
+        return self.resolved is not None and setting in self.resolved.assumed
+
+    def exposed(self, setting: str) -> bool:
+        """False for a setting of an observed job that the job did not expose (its section was never
+        seen, e.g. no DataLoader, or the key itself was not observed): no recommendation is made there."""
+        if self.resolved is None or self.resolved.kind != "observed":
+            return True
+        return self.resolved.exposed(setting.split(".", 1)[0]) and not self.assumed(setting)
 
     def first(self, check: str) -> Finding | None:
         return next((f for f in self.findings if f.check == check), None)

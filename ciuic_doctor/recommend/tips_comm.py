@@ -108,9 +108,12 @@ def tip2(ctx: Context) -> Tip:
     tip = new_tip(2)
     loader = ctx.measured("loader_throughput")
     claims = ("num_workers=4", "pin_memory=True", "prefetch_factor=2", "persistent_workers=True")
-    if loader is None:
+    if loader is None or not ctx.exposed("dataloader"):
+        why = "loader-sweep did not run"
+        if not ctx.exposed("dataloader"):  # a watched script that feeds itself (nanoGPT's get_batch)
+            why = "the job builds no torch DataLoader: these settings do not apply to it"
         for claim in claims:
-            tip.add(claim, UNMEASURED, "loader-sweep did not run")
+            tip.add(claim, UNMEASURED, why)
         return tip
     ev = loader.evidence
     rec = ev.get("recommended") or {}

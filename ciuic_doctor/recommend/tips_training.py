@@ -39,6 +39,43 @@ def _stability_clean(ctx: Context) -> tuple[bool | None, str]:
 
 def tip4(ctx: Context) -> Tip:
     tip = new_tip(4)
+    clean, why = _stability_clean(ctx)
+    ran = ctx.observed.get("optim") or {}
+    if ctx.observed and ran.get("lr_ran"):
+        _sqrt_claim_observed(tip, ctx, ran)
+    else:
+        _sqrt_claim_spec(tip, ctx, clean, why)
+    warmup, text = _warmup(ctx, ran)
+    claim = "OneCycleLR warm-up keeps the start stable"
+    if warmup is None:
+        tip.add(claim, UNMEASURED, text)
+        return tip
+    if ctx.observed and (ran.get("scheduler") or {}).get("class") != "OneCycleLR":
+        claim = "the job's warm-up keeps the start stable"
+    if clean is None:
+        tip.add(claim, UNMEASURED, why)
+        return tip
+    # The start is the warm-up and as many steps again after the LR peak.
+    early = [
+        f
+        for f in ctx.findings
+        if f.check in ("loss_spike", "divergence", "nonfinite_loss")
+        and f.verdict in ("warn", "fail")
+        and (not isinstance(f.where.get("step"), int | float) or f.where["step"] <= 2 * warmup)
+    ]
+    text += ": "
+    if early:
+        text += "; ".join(f.summary for f in early[:2])
+    elif clean:
+        text += f"no spike or divergence ({why})"
+    else:
+        text += f"no spike in the first {2 * warmup} steps; later: {why}"
+    tip.add(claim, FAILS if early else HOLDS, text + ".")
+    return tip
+
+
+def _sqrt_claim_spec(tip: Tip, ctx: Context, clean: bool | None, why: str) -> None:
+    """The sqrt rule judged on a spec's job: it trained at base_lr scaled by the spec's rule."""
     spec = ctx.spec
     ratio = spec.global_batch / spec.batch.reference
     sqrt_lr = spec.optim.base_lr * ratio**0.5
@@ -47,51 +84,84 @@ def tip4(ctx: Context) -> Tip:
         f"computed from the spec: sqrt rule {sqrt_lr:.4g}, linear rule {linear_lr:.4g} "
         f"(global batch {spec.global_batch}, reference {spec.batch.reference})"
     )
-    clean, why = _stability_clean(ctx)
+    claim = "the sqrt rule fits this optimizer"
     if spec.optim.name == "sgd":
         tip.add(
-            "the sqrt rule fits this optimizer",
+            claim,
             UNMEASURED,
             f"{arithmetic}; SGD is usually scaled linearly (Goyal et al. 2017), sqrt is the Adam-family "
             "rule.",
         )
     elif spec.optim.lr_scaling != "sqrt":
         tip.add(
-            "the sqrt rule fits this optimizer",
+            claim,
             UNMEASURED,
-            f"{arithmetic}; the job runs lr_scaling={spec.optim.lr_scaling}, so this run did not train "
-            "at the "
-            "sqrt-scaled LR",
+            f"{arithmetic}; the job runs lr_scaling={spec.optim.lr_scaling}, so this run did not train at "
+            "the sqrt-scaled LR",
         )
     elif clean is None:
-        tip.add("the sqrt rule fits this optimizer", UNMEASURED, f"{arithmetic}; {why}")
+        tip.add(claim, UNMEASURED, f"{arithmetic}; {why}")
     else:
         tip.add(
-            "the sqrt rule fits this optimizer",
-            HOLDS if clean else FAILS,
-            f"{arithmetic}; the job trained at the sqrt-scaled LR: {why}.",
+            claim, HOLDS if clean else FAILS, f"{arithmetic}; the job trained at the sqrt-scaled LR: {why}."
         )
-    warmup = max(1, round(spec.optim.warmup_pct * spec.job.steps))
-    if clean is None:
-        tip.add("OneCycleLR warm-up keeps the start stable", UNMEASURED, why)
-    else:
-        # The start is the warm-up and as many steps again after the LR peak.
-        early = [
-            f
-            for f in ctx.findings
-            if f.check in ("loss_spike", "divergence", "nonfinite_loss")
-            and f.verdict in ("warn", "fail")
-            and (not isinstance(f.where.get("step"), int | float) or f.where["step"] <= 2 * warmup)
-        ]
-        text = f"pct_start {spec.optim.warmup_pct:g} of {spec.job.steps} steps = {warmup} warm-up steps: "
-        if early:
-            text += "; ".join(f.summary for f in early[:2])
-        elif clean:
-            text += f"no spike or divergence ({why})"
-        else:
-            text += f"no spike in the first {2 * warmup} steps; later: {why}"
-        tip.add("OneCycleLR warm-up keeps the start stable", FAILS if early else HOLDS, text + ".")
-    return tip
+
+
+def _sqrt_claim_observed(tip: Tip, ctx: Context, ran: dict) -> None:
+    """A watched script sets its own LR: say which one it ran; the rule itself was not exercised."""
+    lr = ran["lr_ran"]
+    scheduler = _scheduler_name(ran)
+    batch = "global batch not observed (no DataLoader)"
+    if not ctx.assumed("batch.per_process"):
+        batch = f"global batch {ctx.spec.global_batch}"
+    tip.add(
+        "the sqrt rule fits this optimizer",
+        UNMEASURED,
+        f"the job ran its own LR, not a sqrt-scaled one: {ran.get('class', 'its optimizer')} from "
+        f"{lr['first']:.4g} to a peak of {lr['peak']:.4g} at step {lr['peak_step']} "
+        f"({scheduler}), {batch}; the batch that LR was tuned for is not "
+        "known, so the rule was not tested by this run",
+    )
+
+
+def _scheduler_name(ran: dict) -> str:
+    scheduler = ran.get("scheduler")
+    if isinstance(scheduler, list):
+        return " + ".join(str(s.get("class")) for s in scheduler if isinstance(s, dict))
+    if isinstance(scheduler, dict):
+        lam = scheduler.get("lr_lambda")
+        if isinstance(lam, dict) and lam.get("function"):
+            return f"{scheduler.get('class')}({lam['function']})"
+        return str(scheduler.get("class"))
+    return "no torch LR scheduler: the script sets the LR itself"
+
+
+def _warmup(ctx: Context, ran: dict) -> tuple[int | None, str]:
+    """(warm-up steps, what they are) for the job: the spec's OneCycleLR pct_start, or for a watched
+    script its OneCycleLR's pct_start, else the steps its own LR took to reach the peak."""
+    spec = ctx.spec
+    scheduler = ran.get("scheduler") if isinstance(ran.get("scheduler"), dict) else {}
+    if not ctx.observed or scheduler.get("class") == "OneCycleLR":
+        warmup = max(1, round(spec.optim.warmup_pct * spec.job.steps))
+        return (
+            warmup,
+            f"pct_start {spec.optim.warmup_pct:g} of {spec.job.steps} steps = {warmup} warm-up steps",
+        )
+    lr = ran.get("lr_ran") or {}
+    if not lr:
+        return None, "no LR was recorded for this job's steps"
+    scheduler_name = _scheduler_name(ran)
+    if lr["peak_step"] <= 1 or lr["peak"] <= lr["first"]:
+        return None, (
+            f"the job ran no OneCycleLR warm-up: its LR started at its peak {lr['peak']:.4g} "
+            f"({scheduler_name})"
+        )
+    recorded = lr.get("steps") or lr["peak_step"]
+    still = " (still rising when the records end)" if lr["peak_step"] >= recorded else ""
+    return lr["peak_step"], (
+        f"the job's own warm-up ({scheduler_name}, no OneCycleLR): LR {lr['first']:.4g} to "
+        f"{lr['peak']:.4g} in {lr['peak_step']} steps{still}"
+    )
 
 
 def tip5(ctx: Context, grad_norms: Sequence[float] = ()) -> Tip:

@@ -91,6 +91,10 @@ def rule_learning_rate(ctx: Context, plan: Plan) -> None:
     """
     spec = ctx.spec
     opt = spec.optim
+    if ctx.assumed("batch.reference"):
+        # An observed job: its LR is the one it ran, and the batch it was tuned for is unknown, so a
+        # scaling rule has nothing to scale from (no measurement, no recommendation).
+        return
     ratio = spec.global_batch / spec.batch.reference
     sqrt_lr = opt.base_lr * math.sqrt(ratio)
     linear_lr = opt.base_lr * ratio

@@ -18,6 +18,7 @@ from typing import Any
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.findings import Finding, overall_verdict
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
+from ciuic_doctor.observed import ResolvedSpec, fallback, has_observed, spec_from_observed
 from ciuic_doctor.store import RunDir
 
 OUTPUTS = ("report.html", "recommended.env", "recommended.toml", "recommendations.json", "summary.md")
@@ -44,19 +45,34 @@ def needs_analysis(run: RunDir) -> bool:
 
 
 def spec_for_run(meta: dict[str, Any], path: str | Path | None) -> JobSpec:
-    """--spec when given; else the spec the job recorded in meta.json; else the embedded default."""
+    """The job spec the report judges (see resolve_spec)."""
+    return resolve_spec(meta, path).spec
+
+
+def resolve_spec(meta: dict[str, Any], path: str | Path | None) -> ResolvedSpec:
+    """--spec when given; else the spec the embedded job recorded; else what a watched script configured
+    (meta.json `observed`); else the embedded default, marked as a fallback with the reason."""
     if path is not None:
-        return load_spec(path)
+        return ResolvedSpec(spec=load_spec(path), kind="file")
     # The job records the spec it trained with (--spec and --set resolved), after checkup's own record.
     recorded = meta.get("spec") if isinstance(meta.get("spec"), dict) and "optim" in meta["spec"] else None
     spec = load_spec()
     if recorded is not None:
         sections = {k: v for k, v in recorded.items() if k in spec.to_dict() and isinstance(v, dict)}
         try:
-            return replace(with_updates(spec, sections), source="meta.json (recorded by the job)")
-        except UserError:
-            return spec  # a spec from another version of the tool: fall back to the default, don't fail
-    return spec
+            spec = replace(with_updates(spec, sections), source="meta.json (recorded by the job)")
+            return ResolvedSpec(spec=spec, kind="recorded")
+        except UserError:  # a spec from another version of the tool: fall back, don't fail
+            if not has_observed(meta):
+                return fallback("the job spec in meta.json is from another version of ciuic-doctor")
+    if has_observed(meta):  # after the embedded job's own spec: that one is exact, `observed` a reading
+        return spec_from_observed(meta["observed"])
+    probes = meta.get("probes") if isinstance(meta.get("probes"), dict) else {}
+    if "watch" in probes:
+        return fallback("watch recorded the steps but not the script's settings")
+    if meta.get("source"):
+        return fallback("the records were imported from a log, which does not give the job's settings")
+    return fallback("this run recorded neither the script's settings (watch) nor a job spec")
 
 
 def build_report(
@@ -75,21 +91,23 @@ def build_report(
     from ciuic_doctor.store import as_float
 
     meta = run.read_meta()
-    spec = spec_for_run(meta, spec_path)
+    resolved = resolve_spec(meta, spec_path)
+    spec = resolved.spec
     result = ReportResult()
     if analyze or (analyze is None and needs_analysis(run)):
         findings = run_all(run)
         result.analysed = True
     else:
         findings = load_findings(run)
-    plan = recommend(spec, findings, meta)
+    plan = recommend(spec, findings, meta, resolved=resolved)
     streams = sections.load_streams(run)
     steps = streams.get("steps") or []
     first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)
     grad_norms = [
         g for r in steps if plots.rank_of(r) == first_rank and (g := as_float(r.get("grad_norm"))) is not None
     ]
-    tips = evaluate_tips(Context(spec=spec, findings=findings, meta=meta), grad_norms=grad_norms)
+    context = Context(spec=spec, findings=findings, meta=meta, resolved=resolved)
+    tips = evaluate_tips(context, grad_norms=grad_norms)
     parts = sections.build_sections(streams, findings, meta)
     if baseline is not None:
         from ciuic_doctor.report.compare_section import write_comparison
@@ -128,13 +146,16 @@ def build_report(
         streams=streams,
         env_text=env_text,
         toml_changes=changes,
+        resolved=resolved,
     )
     result.paths = {
         "recommendations.json": run.write_json(
             "recommendations.json", files.recommendations_json(plan, findings, tips, not_run, spec)
         ),
         "recommended.env": run.write_text("recommended.env", env_text),
-        "recommended.toml": run.write_text("recommended.toml", files.spec_toml(spec, plan, run=run_name)),
+        "recommended.toml": run.write_text(
+            "recommended.toml", _toml_header(resolved) + files.spec_toml(spec, plan, run=run_name)
+        ),
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),
         **beside,
@@ -144,3 +165,21 @@ def build_report(
     result.findings = [*findings, *plan.findings]
     result.overall = overall_verdict(result.findings)
     return result
+
+
+def _toml_header(resolved: ResolvedSpec) -> str:
+    """recommended.toml says where its values came from when they are not all the job's own."""
+    if resolved.kind == "observed":
+        lines = [f"# {resolved.spec.job.name} as watch observed it, with the recommended changes applied."]
+        if resolved.assumed:
+            lines.append("# Not observed (ciuic-doctor's defaults, assumed): " + ", ".join(resolved.assumed))
+        return "\n".join(_wrap_comment(line) for line in lines) + "\n"
+    if resolved.kind == "fallback":
+        return _wrap_comment("# FALLBACK: " + resolved.note) + "\n"
+    return ""
+
+
+def _wrap_comment(line: str) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width=110, subsequent_indent="#   "))

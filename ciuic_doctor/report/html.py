@@ -19,6 +19,7 @@ from ciuic_doctor import __version__
 from ciuic_doctor.envinfo import redact_env, scrub
 from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec
+from ciuic_doctor.observed import ResolvedSpec, describe_observed
 from ciuic_doctor.recommend import Plan, environment_of, is_change, setting_kind
 from ciuic_doctor.report.sections import Section
 from ciuic_doctor.seed_tips import Tip
@@ -157,6 +158,7 @@ def render(
     streams: dict[str, list[dict[str, Any]]],
     env_text: str,
     toml_changes: str,
+    resolved: ResolvedSpec | None = None,
 ) -> str:
     """The whole page as one string (the caller writes it through the store, which scrubs secrets)."""
     import markupsafe
@@ -195,6 +197,9 @@ def render(
     template = _template_env().get_template("report.html.j2")
     return template.render(
         job=spec.job.name,
+        spec_kind=resolved.kind if resolved is not None else "file",
+        spec_note=resolved.note if resolved is not None else "",
+        observed_rows=describe_observed(resolved.observed) if resolved is not None else [],
         overall=overall,
         overall_note=overall_note,
         counts=counts,

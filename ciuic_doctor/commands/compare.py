@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 
 NAME = "compare"
-HELP = "compare two runs: the change in every measurement, with a 95 % CI and the settings that differ"
+HELP = "compare two runs: the change in every measurement, with a 95 %% CI and the settings that differ"
 ORDER = 75
 OUTPUT = "comparison.json"  # report --baseline writes the same file
 

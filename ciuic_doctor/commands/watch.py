@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ciuic_doctor.commands._common import add_out, positive_int
+from ciuic_doctor.commands._common import add_out, positive_float, positive_int
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -50,6 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA only: record allocation history and dump RUN/memory_snapshot.rank<R>.pickle "
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
+    # issue 16 (hang doctor): the watchdog's two settings; the code is in probes/watch_hang.py
+    parser.add_argument(
+        "--hang-after",
+        type=positive_float,
+        metavar="S",
+        help="seconds without an optimizer step or a completed collective that count as a hang: dump "
+        "RUN/hang.rank<R>.* (default: 20 median steps, at least 30 s, at most 0.8 x the process-group timeout)",
+    )
+    parser.add_argument(
+        "--fr-buffer",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -83,10 +98,14 @@ def run(args: argparse.Namespace) -> int:
         snapshot_on_leak=args.snapshot_on_leak,
         probe_fields={"argv": argv},
     )
+    from ciuic_doctor.probes.watch_hang import HangConfig, arm  # issue 16: before the script's process group
+
+    disarm = arm(session, HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer))  # issue 16
     code = 1
     try:
         code = run_script(argv)
     finally:
+        disarm()  # issue 16
         session.close()
         if session.rank == 0:
             status = "finished" if code == 0 else "failed"

@@ -23,7 +23,7 @@ from typing import Any
 
 from ciuic_doctor.store import RunDir
 
-_RANK = re.compile(r"^hang\.rank(\d+)\.(json|armed\.json|fatal\.txt)$")
+_RANK = re.compile(r"^hang\.rank(\d+)\.(json|armed\.json|last\.json|fatal\.txt)$")
 _FAULT_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FAULT_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 PY_SPY_TIMEOUT_S = 30
@@ -36,6 +36,7 @@ class HangFiles:
     armed: dict[int, dict[str, Any]] = field(default_factory=dict)
     dumps: dict[int, dict[str, Any]] = field(default_factory=dict)
     fatal: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # threads, from faulthandler
+    last: dict[int, dict[str, Any]] = field(default_factory=dict)  # the last Python collective issued
     fr_entries: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     py_spy: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> {pid, state, threads}
     last_steps: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -48,13 +49,11 @@ class HangFiles:
 
 def has_hang_dumps(path: Path) -> bool:
     """True when a run directory holds a hang dump (not just an armed watchdog)."""
-    if any(path.glob("hang.rank*.json")) and any(
-        not p.name.endswith(".armed.json") for p in path.glob("hang.rank*.json")
-    ):
-        return True
-    if (path / "hang.pyspy.json").is_file():
-        return True
-    return any(p.stat().st_size > 0 for p in path.glob("hang.rank*.fatal.txt"))
+    for p in path.glob("hang.rank*"):
+        match = _RANK.match(p.name)
+        if match and (match.group(2) == "json" or (match.group(2) == "fatal.txt" and p.stat().st_size > 0)):
+            return True
+    return (path / "hang.pyspy.json").is_file()
 
 
 def load(run: RunDir) -> HangFiles:
@@ -74,12 +73,14 @@ def load(run: RunDir) -> HangFiles:
             if text.strip():
                 files.fatal[rank] = parse_faulthandler(text)
             continue
+        if kind == "last.json" and not text.strip():
+            continue
         try:
             data = json.loads(text)
         except ValueError:
             files.problems.append(f"{path.name}: not valid JSON (a dump cut short?)")
             continue
-        (files.armed if kind == "armed.json" else files.dumps)[rank] = data
+        {"armed.json": files.armed, "last.json": files.last, "json": files.dumps}[kind][rank] = data
     for rank, dump in files.dumps.items():
         if dump.get("fr_file"):
             entries = read_flight_recorder(run.path / dump["fr_file"], files.problems)
@@ -129,9 +130,11 @@ def parse_faulthandler(text: str) -> list[dict[str, Any]]:
             threads[-1]["frames"].append(
                 {"file": frame.group(1), "line": int(frame.group(2)), "function": frame.group(3)}
             )
-    # faulthandler does not name the main thread; it is the one whose outermost frame is a module
-    for thread in threads:
-        thread["main"] = bool(thread["frames"]) and thread["frames"][-1]["function"] == "<module>"
+    # faulthandler does not name the main thread: it is the one not started by threading, listed last
+    own = [t for t in threads if t["frames"] and not t["frames"][-1]["file"].endswith("threading.py")]
+    if own:
+        own[-1]["main"] = True
+    threads.sort(key=lambda t: not t["main"])
     return threads
 
 

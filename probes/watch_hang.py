@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ HANG_FLOOR_S = 30.0  # ... but never less: a checkpoint save or an eval pass is 
 PG_TIMEOUT_FRACTION = 0.8  # ... and never above the process-group timeout: dump while every rank still waits
 DEFAULT_PG_TIMEOUT_S = 1800.0  # torch.distributed.constants.default_pg_timeout (gloo; NCCL's is 600 s)
 POLL_S = 0.5
+PEER_SETTLE_S = 0.5
 
 
 @dataclass(kw_only=True)
@@ -101,6 +103,30 @@ def fr_status() -> dict[str, Any] | None:
     return dump.get("pg_status") or {}
 
 
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+)  # fmt: skip
+LAST_RECORD_BYTES = 1024
+
+
+def _tensor_meta(first: Any) -> dict[str, Any]:
+    """input_sizes / input_dtypes as Flight Recorder writes them, for a tensor or a list of tensors."""
+    tensors = first if isinstance(first, list | tuple) else [first]
+    tensors = [t for t in tensors[:8] if hasattr(t, "shape")]
+    return {
+        "input_sizes": [list(t.shape) for t in tensors],
+        "input_dtypes": [_FR_DTYPES.get(str(t.dtype), str(t.dtype)) for t in tensors],
+    }
+
+
+_FR_DTYPES = {  # c10's ScalarType names, which Flight Recorder's input_dtypes use
+    "torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half", "torch.bfloat16": "BFloat16",
+    "torch.int64": "Long", "torch.int32": "Int", "torch.int16": "Short", "torch.int8": "Char",
+    "torch.uint8": "Byte", "torch.bool": "Bool",
+}  # fmt: skip
+
+
 _OWN = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "ciuic_doctor"), "logging")
 
 
@@ -148,7 +174,7 @@ class HangWatchdog:
         self._step: int | None = None
         self._step_times: deque[float] = deque(maxlen=50)
         self._progress_t = time.monotonic()
-        self._completed = -1
+        self._completed = 0
         self._started = False  # no judging before the first step or collective (start-up is not a hang)
         self._stalled_dump = False  # a no-progress dump was made for the current stall
         self._error_dump = False
@@ -156,6 +182,9 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._loop, name="ciuic-hang-watchdog", daemon=True)
         self._undo: list[Callable[[], None]] = []
         self._wake_r: socket.socket | None = None
+        self._dumping = False
+        self._terminating = False
+        self._term_pending = False
 
     # ---- installing -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,7 +192,8 @@ class HangWatchdog:
         self._write_armed()
         self._install_fatal()
         self._install_error_hook()
-        self._install_usr1()
+        self._install_last_collective()
+        self._install_signals()
         self._thread.start()
 
     def stop(self) -> None:
@@ -221,13 +251,64 @@ class HangWatchdog:
         logger.addHandler(handler)
         self._undo.append(lambda: logger.removeHandler(handler))
 
-    def _install_usr1(self) -> None:
+    def _install_last_collective(self) -> None:
+        """Wrap torch.distributed's Python collectives to leave the last one issued on disk.
+
+        A rank that gloo aborts (it was sent a different size than it expected) dies inside the
+        collective with no time to dump; one pwrite of a fixed-size record per collective (~3 us, into the
+        page cache, which outlives the process) keeps its op, sizes, dtype and call site.
+        Collectives issued from C++ (DDP's buckets) are not seen here; Flight Recorder has those.
+        """
+        import torch.distributed as dist
+
+        path = self.run.path / f"hang.rank{self.rank}.last.json"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        count = [0]
+        previous: dict[tuple[str, int], Any] = {}  # call site -> the sizes it had last time
+
+        def make(name: str, original: Callable) -> Callable:
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                count[0] += 1
+                with contextlib.suppress(Exception):  # never the user's training
+                    caller = sys._getframe(1)
+                    site = (caller.f_code.co_filename, caller.f_lineno)
+                    meta = _tensor_meta(args[0] if args else kwargs.get("tensor"))
+                    record = {"n": count[0], "op": name, **meta, "prev_sizes": previous.get(site),
+                              "file": site[0], "line": site[1], "function": caller.f_code.co_name}  # fmt: skip
+                    previous[site] = meta["input_sizes"]
+                    line = json.dumps(record)[: LAST_RECORD_BYTES - 1].ljust(LAST_RECORD_BYTES - 1)
+                    os.pwrite(fd, line.encode() + b"\n", 0)
+                return original(*args, **kwargs)
+
+            return functools.wraps(original)(collective)
+
+        originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+        for name, original in originals.items():
+            setattr(dist, name, make(name, original))
+
+        def undo() -> None:
+            for name, original in originals.items():
+                setattr(dist, name, original)
+            os.close(fd)
+
+        self._undo.append(undo)
+
+    def _install_signals(self) -> None:
+        """SIGUSR1 asks for a dump; SIGTERM (torchrun stopping the others after one rank died) dumps first.
+
+        Python runs its signal handlers in the main thread, which may be blocked in a collective for
+        good. Its C-level handler also writes the signal number to the wake-up fd at once, from any
+        thread: the watchdog thread waits on that socket, so the dump happens either way.
+        """
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
         read, write = socket.socketpair()
         read.setblocking(False)
         write.setblocking(False)
-        previous = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        previous_term = signal.getsignal(signal.SIGTERM)
+        if previous_term == signal.SIG_DFL:  # a script's own SIGTERM handler stays as it is
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_term(main_thread=True))
         try:
             old_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
         except ValueError:
@@ -237,12 +318,12 @@ class HangWatchdog:
             signal.signal(signal.SIGUSR1, lambda signum, frame: self._request())
         else:
             self._wake_r = read
-        self._wake_w = write
 
         def undo() -> None:
             if old_fd == -1:
                 signal.set_wakeup_fd(-1)
-            signal.signal(signal.SIGUSR1, previous)
+            signal.signal(signal.SIGUSR1, previous_usr1)
+            signal.signal(signal.SIGTERM, previous_term)
             read.close()
             write.close()
 
@@ -250,6 +331,25 @@ class HangWatchdog:
 
     def _request(self) -> None:
         threading.Thread(target=self.dump, args=("requested",), daemon=True).start()
+
+    def _on_term(self, *, main_thread: bool) -> None:
+        """Dump once, then die of SIGTERM as the process would have without us."""
+        if self._terminating:
+            return
+        self._terminating = True
+        if self._dumping:  # the main thread was interrupted inside its own dump: finish it first
+            self._term_pending = True
+            return
+        self.dump("terminated")
+        self._die(main_thread=main_thread)
+
+    @staticmethod
+    def _die(*, main_thread: bool) -> None:
+        sys.stderr.flush()
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(128 + signal.SIGTERM)  # off the main thread the handler cannot be reset: exit code 143
 
     # ---- watching -------------------------------------------------------------------------------
     def on_step(self, record: dict[str, Any]) -> None:
@@ -273,7 +373,10 @@ class HangWatchdog:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self._wait_for_request(self.config.poll_s):
+            signals = self._wait_for_signals(self.config.poll_s)
+            if signal.SIGTERM in signals:
+                self._on_term(main_thread=False)
+            if signal.SIGUSR1 in signals:
                 self.dump("requested")
                 continue
             try:
@@ -282,25 +385,25 @@ class HangWatchdog:
                 print(f"ciuic-doctor watch: hang watchdog stopped: {exc!r}", file=sys.stderr)
                 return
 
-    def _wait_for_request(self, timeout_s: float) -> bool:
+    def _wait_for_signals(self, timeout_s: float) -> bytes:
+        """The signal numbers Python's handler wrote to the wake-up socket within `timeout_s`."""
         if self._wake_r is None:  # SIGUSR1 comes through the Python handler instead
             self._stop.wait(timeout_s)
-            return False
+            return b""
         ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
         if not ready:
-            return False
+            return b""
         try:
-            data = self._wake_r.recv(64)
+            return self._wake_r.recv(64)
         except OSError:
-            return False
-        return signal.SIGUSR1 in data
+            return b""
 
     def _poll(self) -> None:
         status = fr_status()
-        if status is not None:
-            completed = sum(int(s.get("last_completed_collective", -1)) for s in status.values())
-            if completed != self._completed:
-                if self._pg_timeout_s is None and completed > 0:
+        if status:  # {} before the first collective: no news
+            completed = sum(max(0, int(s.get("last_completed_collective", -1))) for s in status.values())
+            if completed > self._completed:
+                if self._pg_timeout_s is None:
                     self._pg_timeout_s = _pg_timeout_s()
                 self._completed = completed
                 self._progressed()
@@ -317,15 +420,22 @@ class HangWatchdog:
                 return
             self._error_dump = True
         with self._lock:
+            self._dumping = True
             try:
                 self._dump(reason, **fields)
             except Exception as exc:
                 print(f"ciuic-doctor watch: rank {self.rank}: hang dump failed: {exc!r}", file=sys.stderr)
+            finally:
+                self._dumping = False
+        if self._term_pending:
+            self._die(main_thread=threading.current_thread() is threading.main_thread())
 
     def _dump(self, reason: str, **fields: Any) -> None:
         t0 = time.perf_counter()
         stacks = thread_stacks()  # first: where every thread is now, before the slow parts below
         fr_file, status = self._write_flight_recorder()
+        if reason in ("collective-error", "terminated"):
+            time.sleep(PEER_SETTLE_S)  # a peer killed with -9 drops its sockets before the kernel reaps it
         peers = peer_states(self.run, self.rank, self.host)
         record = {
             "schema": 1,

@@ -25,6 +25,7 @@ breaks that pattern is the one that changed.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,11 @@ from ciuic_doctor.store import RunDir
 
 PROBE = "hang"
 STREAMS = ("steps",)  # run_all runs this on watched runs; the dumps themselves are not streams
-_LIBRARY = ("/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/lib/python3", "<frozen")
+_LIBRARY = (
+    "/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/probes/watch", "/lib/python3", "<frozen",
+)  # fmt: skip
 _GONE = {"gone", "exited"}
+_PEER_LOST = re.compile(r"(closed|reset) by peer|Connection refused|Broken pipe", re.IGNORECASE)
 _KEEP_NEXT_TIME = (
     "Keep for next time: TORCH_FR_BUFFER_SIZE=2000 (watch sets it), TORCH_NCCL_DUMP_ON_TIMEOUT=1 and "
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=<shared dir>/nccl_trace_rank_ so NCCL dumps on a timeout without watch."
@@ -77,6 +81,7 @@ class Position:
     frame: str | None = None  # its own innermost frame
     error: str | None = None
     history: list[tuple[str, str, str]] = field(default_factory=list)  # (op, site, sizes) per completed seq
+    prev_sizes: Any = None  # sizes of the previous call from the same line (the wrapper's record)
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -138,6 +143,14 @@ def _fr_position(pos: Position, entries: list[dict[str, Any]], status: dict[str,
             pos.pg = f"{name}:{desc}"
 
 
+def _last_position(pos: Position, last: dict[str, Any] | None, frames: list[dict[str, Any]]) -> None:
+    """An aborted rank's collective from watch's last-collective record, if its stack is at that call."""
+    mine = user_frame(frames)
+    if last and mine and str(mine.get("file")) == last.get("file") and mine.get("line") == last.get("line"):
+        pos.op, pos.sizes, pos.dtypes = last.get("op"), last.get("input_sizes"), last.get("input_dtypes")
+        pos.prev_sizes = last.get("prev_sizes")
+
+
 def positions(files: HangFiles) -> dict[int, Position]:
     """Where each rank is, from the best source there is for it."""
     ranks = set(files.armed) | set(files.dumps) | set(files.fatal) | set(files.py_spy)
@@ -159,6 +172,7 @@ def positions(files: HangFiles) -> dict[int, Position]:
                 _fr_position(pos, files.fr_entries[rank], dump.get("pg_status") or {}, failed=failed)
         elif rank in files.fatal:
             pos.source, pos.state, threads = "faulthandler", "aborted", files.fatal[rank]
+            _last_position(pos, files.last.get(rank), _main_frames(threads))
         elif rank in files.py_spy and files.py_spy[rank].get("threads"):
             pos.source, pos.state, threads = "py-spy", files.py_spy[rank].get("state"), files.py_spy[rank]["threads"]
         elif rank in seen_by_peers:
@@ -172,7 +186,7 @@ def positions(files: HangFiles) -> dict[int, Position]:
             op = _collective_in(frames)
             pos.in_collective = op is not None
             if op:
-                pos.op, pos.site = op, pos.frame
+                pos.op, pos.site = pos.op or op, pos.frame
         out[rank] = pos
     return out
 
@@ -181,6 +195,10 @@ def _pattern_breakers(cands: list[Position], key: str) -> list[Position]:
     """The ranks whose (op, site) or sizes at their seq break the repeating per-step pattern of history."""
     breakers = []
     for pos in cands:
+        if key == "sizes" and not pos.history and pos.prev_sizes is not None:
+            if str(pos.sizes) != str(pos.prev_sizes):
+                breakers.append(pos)
+            continue
         for ref in [pos, *cands]:
             expected = _expected(ref.history, pos.seq)
             if expected is not None:
@@ -211,9 +229,16 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
     waiting = [p for p in pos.values() if p.in_collective]
     ref = max((p for p in waiting if p.seq is not None), key=lambda p: p.seq or 0, default=None)
     ref = ref or (waiting[0] if waiting else None)
+    for p in waiting:  # a stack inside a collective, no Flight Recorder: the one the others wait in
+        if p.seq is None and ref is not None and p.op == ref.op:
+            p.seq = ref.seq
     dead = [p for p in pos.values() if p.state in _GONE and p.source in ("none", "py-spy")]
     if dead:
         return _verdict("dead", dead, waiting, ref, "its process is gone and it left no dump")
+    reset = [p for p in waiting if p.error and _PEER_LOST.search(p.error)]
+    unseen = [p for p in pos.values() if p.source == "none" and p.state not in ("stopped",)]
+    if reset and unseen:
+        return _verdict("dead", unseen, waiting, ref, f"left no dump and its peers lost it ({reset[0].error[-80:]})")
     outside = [p for p in pos.values() if p.state == "stopped" or (p.in_collective is False and p.frame)]
     if outside and waiting:
         why = "stopped (SIGSTOP or a debugger)" if outside[0].state == "stopped" else "outside any collective"
@@ -222,21 +247,29 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
     sites = Counter((p.op, p.site) for p in known)
     if len(sites) > 1:
         culprits = _minority(known, lambda p: (p.op, p.site)) or _pattern_breakers(known, "site")
-        return _verdict("desync", culprits or known, waiting, ref, "issued a different collective")
+        odd = (culprits or known)[0]
+        why = f"issued {odd.op} from {odd.site} at #{odd.seq}, a different collective than the others"
+        return _verdict("desync", culprits or known, waiting, ref, why)
     sized = [p for p in known if p.sizes is not None]
-    if len({(str(p.sizes), str(p.dtypes)) for p in sized}) > 1:
+    unsized = [p for p in known if p.state == "aborted" and p.sizes is None]  # gloo aborted it mid-way
+    if len({(str(p.sizes), str(p.dtypes)) for p in sized}) > 1 or (unsized and sized):
         culprits = _minority(sized, lambda p: (str(p.sizes), str(p.dtypes))) or _pattern_breakers(sized, "sizes")
-        return _verdict("mismatch", culprits or sized, waiting, ref, "called it with different sizes or dtypes")
-    aborted = [p for p in known if p.state == "aborted"]
-    if aborted and sized:  # gloo aborts the rank that receives a different size: its own sizes are unseen
-        breakers = _pattern_breakers(sized, "sizes")
-        culprits = breakers or aborted
-        why = "sent sizes unlike its own history" if breakers else "aborted inside it (sizes unseen)"
+        if culprits:
+            why = _size_change(culprits[0])
+        elif unsized:
+            culprits, why = unsized, "aborted inside it (its sizes unseen: gloo aborts a rank sent another size)"
+        else:
+            culprits, why = sized, "called it with different sizes or dtypes"
         return _verdict("mismatch", culprits, waiting, ref, why)
     if waiting and len(waiting) == len(pos):
         return _verdict("in-collective", [], waiting, ref, "every rank entered it and none completed")
     unseen = [p for p in pos.values() if p.source == "none"]
     return _verdict("unknown", unseen, waiting, ref, "left no dump")
+
+
+def _size_change(p: Position) -> str:
+    before = p.prev_sizes if not p.history else (_expected(p.history, p.seq) or ("", "", "?"))[2]
+    return f"called it with sizes {p.sizes} ({p.dtypes}) where its last call from that line had {before}"
 
 
 def _minority(cands: list[Position], key: Any) -> list[Position]:
@@ -249,6 +282,8 @@ def _minority(cands: list[Position], key: Any) -> list[Position]:
 
 def _verdict(kind: str, culprits: list[Position], waiting: list[Position], ref: Position | None, why: str) -> dict:
     names = {p.rank for p in culprits}
+    # the collective as the ranks that wait in it issued it, when one of them has Flight Recorder's entry
+    ref = next((p for p in waiting if p.rank not in names and p.sizes is not None), ref)
     return {
         "kind": kind,
         "culprits": sorted(culprits, key=lambda p: p.rank),

@@ -1,0 +1,198 @@
+"""The hang doctor on real hung jobs: 2 gloo ranks under torchrun (+ watch), hanging on purpose.
+
+Each case launches tests/data/hang_job.py with a 6 s process-group timeout; rank 1 misbehaves at step 4.
+The judgement must name the culprit rank, the collective the other waits in, the kind, and the culprit's
+own frame, within the process-group timeout + 30 s of the hang (the issue's bar).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import run_cli
+
+from ciuic_doctor.analysis.hang import _expected, judge
+from ciuic_doctor.hang_files import HangFiles, load, parse_faulthandler, py_spy_binary
+from ciuic_doctor.store import RunDir
+
+JOB = Path(__file__).parent / "data" / "hang_job.py"
+PG_TIMEOUT_S = 6
+GRAD_LINE = "hang_job.py:60"  # dist.all_reduce(flat): the gradient all_reduce
+LOSS_LINE = "hang_job.py:62"  # dist.all_reduce(loss): the logged loss
+
+
+def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HANG_PG_TIMEOUT": str(PG_TIMEOUT_S)}
+    full.pop("CIUIC_RUN_DIR", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    return subprocess.Popen(
+        [*launcher, *argv], env={**full, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _kill_tree(proc: subprocess.Popen) -> str:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    proc.kill()
+    return proc.communicate()[0]
+
+
+def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2", stopped: bool = False) -> Path:
+    """Run the job under watch until torchrun ends it (at most PG timeout + 40 s); the run directory."""
+    run = tmp_path / mode
+    options = ["--hang-after", hang_after] if hang_after else []
+    proc = _launch(["-m", "ciuic_doctor", "watch", "--out", str(run), *options, "--", str(JOB), mode])
+    deadline = time.monotonic() + PG_TIMEOUT_S + 60
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if stopped:  # a stopped rank ignores torchrun's SIGTERM: once rank 0 gave up, end it
+                dump = run / "hang.rank0.json"
+                with contextlib.suppress(OSError, ValueError):
+                    if json.loads(dump.read_text()).get("reason") == "collective-error":
+                        os.kill(json.loads((run / "hang.rank1.armed.json").read_text())["pid"], signal.SIGKILL)
+            time.sleep(0.3)
+    finally:
+        output = _kill_tree(proc) if proc.poll() is None else proc.communicate()[0]
+    assert proc.returncode != 0, output[-3000:]
+    return run
+
+
+def _hang(run: Path) -> dict:
+    done = run_cli("hang", str(run), "--json", timeout=120)
+    assert done.returncode == 1, done.stderr
+    return json.loads(done.stdout)[0]
+
+
+def _within_bar(run: Path) -> None:
+    """The culprit-naming dump came within the process-group timeout + 30 s of the last step."""
+    steps = RunDir.open(run).read("steps").records
+    dumps = [json.loads(p.read_text()) for p in run.glob("hang.rank*.json") if p.name.count(".") == 2]
+    assert dumps and steps
+    assert min(d["t"] for d in dumps) - max(s["t"] for s in steps) < PG_TIMEOUT_S + 30
+
+
+@pytest.mark.slow
+def test_rank_stuck_in_data_loading_is_a_stall_at_its_own_frame(tmp_path):
+    run = hung_job(tmp_path, "loader", hang_after=None)  # the default: 0.8 x the 6 s timeout
+    finding = _hang(run)
+    ev = finding["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("stall", [1]), finding["summary"]
+    assert "load_batch at" in ev["culprit_frame"] and "hang_job.py:35" in ev["culprit_frame"]
+    assert ev["collective"]["op"] == "all_reduce" and GRAD_LINE in ev["collective"]["call_site"]
+    assert ev["collective"]["sizes"] == [[68]] and ev["collective"]["dtypes"] == ["Float"]
+    assert ev["waiting_ranks"] == [0]
+    assert json.loads((run / "hang.rank1.json").read_text())["hang_after_s"] == pytest.approx(0.8 * PG_TIMEOUT_S)
+    _within_bar(run)
+
+
+@pytest.mark.slow
+def test_rank_that_skips_an_all_reduce_is_a_desync(tmp_path):
+    run = hung_job(tmp_path, "skip")
+    ev = _hang(run)["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("desync", [1])
+    assert LOSS_LINE in ev["culprit_frame"]  # rank 1 is already in the next collective
+    assert GRAD_LINE in ev["collective"]["call_site"] and ev["collective"]["seq"] == 7
+    _within_bar(run)
+
+
+@pytest.mark.slow
+def test_rank_that_all_reduces_a_different_size_is_a_mismatch(tmp_path):
+    run = hung_job(tmp_path, "size")
+    finding = _hang(run)
+    ev = finding["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("mismatch", [1]), finding["summary"]
+    assert "[[69]]" in finding["summary"] and "[[68]]" in finding["summary"], finding["summary"]
+    assert GRAD_LINE in ev["culprit_frame"]
+    _within_bar(run)
+
+
+@pytest.mark.slow
+def test_rank_killed_with_sigkill_is_dead(tmp_path):
+    run = hung_job(tmp_path, "kill")
+    finding = _hang(run)
+    ev = finding["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("dead", [1]), finding["summary"]
+    assert GRAD_LINE in ev["collective"]["call_site"] and ev["waiting_ranks"] == [0]
+    _within_bar(run)
+
+
+@pytest.mark.slow
+def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame(tmp_path):
+    if py_spy_binary() is None:
+        pytest.skip("py-spy is not installed")
+    run = hung_job(tmp_path, "stop", stopped=True)
+    finding = _hang(run)
+    ev = finding["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("stall", [1]), finding["summary"]
+    assert "stopped" in finding["summary"]
+    if ev["culprit_frame"] is None:
+        pytest.skip("py-spy was refused access to the stopped rank (ptrace)")
+    assert "save_checkpoint at" in ev["culprit_frame"]
+    _within_bar(run)
+
+
+@pytest.mark.slow
+def test_hang_pid_on_a_job_started_without_watch_names_the_stuck_frame(tmp_path):
+    if py_spy_binary() is None:
+        pytest.skip("py-spy is not installed")
+    proc = _launch([str(JOB), "loader"], env={"HANG_PG_TIMEOUT": "120"})
+    try:
+        deadline, ev, done = time.monotonic() + 60, {}, None
+        while time.monotonic() < deadline and ev.get("kind") != "stall":
+            time.sleep(2)
+            done = run_cli("hang", "--pid", str(proc.pid), "--out", str(tmp_path / "pid"), "--json", timeout=120)
+            if done.returncode == 2 and "ptrace" in done.stderr:
+                pytest.skip(done.stderr.strip())
+            if done.stdout.startswith("["):
+                ev = json.loads(done.stdout)[0]["evidence"]
+    finally:
+        _kill_tree(proc)
+    assert (ev.get("kind"), ev.get("culprit_ranks")) == ("stall", [1]), done and done.stdout + done.stderr
+    assert "load_batch at" in ev["culprit_frame"]
+    assert GRAD_LINE in ev["collective"]["call_site"]
+
+
+# ---- the parts, on recorded data ---------------------------------------------------------------------
+def test_history_pattern_says_which_collective_comes_next():
+    history = [("all_reduce", "a", "[[68]]"), ("all_reduce", "b", "[[1]]")] * 3
+    assert _expected(history, 7) == ("all_reduce", "a", "[[68]]")
+    assert _expected(history, 8) == ("all_reduce", "b", "[[1]]")
+    assert _expected(history[:1], 2) is None
+
+
+def test_faulthandler_text_is_parsed_and_the_main_thread_found():
+    text = (
+        "Fatal Python error: Aborted\n\nThread 0x00007f25da7146c0 (most recent call first):\n"
+        '  File "/x/watch_hang.py", line 289 in _wait\n  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
+        'Thread 0x00007f25fa1fdb80 (most recent call first):\n  File "train.py", line 62 in main\n'
+        '  File "train.py", line 69 in <module>\n'
+    )
+    threads = parse_faulthandler(text)
+    assert threads[0]["main"] and threads[0]["frames"][0] == {"file": "train.py", "line": 62, "function": "main"}
+
+
+def test_no_dumps_is_not_run_and_a_torn_dump_is_named(tmp_path):
+    assert judge(HangFiles())[0]["verdict" if False else 0] if False else judge(HangFiles())[0].verdict == "not_run"
+    run = RunDir.create(tmp_path / "run")
+    (run.path / "hang.rank0.json").write_text('{"schema": 1, "ra')
+    files = load(run)
+    assert files.problems and "hang.rank0.json" in files.problems[0]
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    for argv in (["hang"], ["hang", str(tmp_path), "--pid", "1"], ["hang", str(tmp_path / "nope")]):
+        done = run_cli(*argv, timeout=60)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    done = run_cli("hang", "--pid", "999999999", timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr

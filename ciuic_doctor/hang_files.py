@@ -95,7 +95,9 @@ def load(run: RunDir) -> HangFiles:
     if run.has_stream("steps"):
         for record in run.read("steps").records:
             rank = record.get("rank")
-            if isinstance(rank, int) and (rank not in files.last_steps or _later(record, files.last_steps[rank])):
+            if isinstance(rank, int) and (
+                rank not in files.last_steps or _later(record, files.last_steps[rank])
+            ):
                 files.last_steps[rank] = record
     return files
 
@@ -124,7 +126,12 @@ def parse_faulthandler(text: str) -> list[dict[str, Any]]:
     for line in text.splitlines():
         if head := _FAULT_THREAD.match(line):
             threads.append(
-                {"thread_id": int(head.group(2), 16), "main": False, "current": head.group(1) != "Thread", "frames": []}
+                {
+                    "thread_id": int(head.group(2), 16),
+                    "main": False,
+                    "current": head.group(1) != "Thread",
+                    "frames": [],
+                }
             )
         elif (frame := _FAULT_FRAME.match(line)) and threads:
             threads[-1]["frames"].append(

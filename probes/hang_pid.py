@@ -68,9 +68,19 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
         with contextlib.suppress(psutil.Error):
             ranks[rank].send_signal(signal.SIGUSR1)
     answered = _wait_for_dumps(run.path, set(watched), since=asked, wait_s=wait_s) if watched else set()
-    record: dict[str, Any] = {"schema": 1, "t": time.time(), "pid": pid, "host": socket.gethostname(), "ranks": {}}
+    record: dict[str, Any] = {
+        "schema": 1,
+        "t": time.time(),
+        "pid": pid,
+        "host": socket.gethostname(),
+        "ranks": {},
+    }
     for rank, proc in ranks.items():
-        entry: dict[str, Any] = {"pid": proc.pid, "state": process_state(proc.pid), "watched": rank in watched}
+        entry: dict[str, Any] = {
+            "pid": proc.pid,
+            "state": process_state(proc.pid),
+            "watched": rank in watched,
+        }
         if rank not in answered:
             entry["threads"], entry["error"] = py_spy_stacks(proc.pid)
         if fr := _copy_flight_recorder(proc, rank, run.path):

@@ -121,13 +121,18 @@ def _tensor_meta(first: Any) -> dict[str, Any]:
 
 
 _FR_DTYPES = {  # c10's ScalarType names, which Flight Recorder's input_dtypes use
-    "torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half", "torch.bfloat16": "BFloat16",
+    "torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half",
+    "torch.bfloat16": "BFloat16",
     "torch.int64": "Long", "torch.int32": "Int", "torch.int16": "Short", "torch.int8": "Char",
     "torch.uint8": "Byte", "torch.bool": "Bool",
 }  # fmt: skip
 
 
-_OWN = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "ciuic_doctor"), "logging")
+_OWN = (
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[1] / "ciuic_doctor"),
+    "logging",
+)
 
 
 def thread_stacks() -> list[dict[str, Any]]:
@@ -146,7 +151,9 @@ def thread_stacks() -> list[dict[str, Any]]:
         ]
         while len(frames) > 1 and any(own in frames[0]["file"] for own in _OWN):
             frames.pop(0)
-        stacks.append({"thread_id": ident, "name": names.get(ident, "?"), "main": ident == main, "frames": frames})
+        stacks.append(
+            {"thread_id": ident, "name": names.get(ident, "?"), "main": ident == main, "frames": frames}
+        )
     stacks.sort(key=lambda s: not s["main"])
     return stacks
 
@@ -274,7 +281,8 @@ class HangWatchdog:
                     site = (caller.f_code.co_filename, caller.f_lineno)
                     meta = _tensor_meta(args[0] if args else kwargs.get("tensor"))
                     record = {"n": count[0], "op": name, **meta, "prev_sizes": previous.get(site),
-                              "file": site[0], "line": site[1], "function": caller.f_code.co_name}  # fmt: skip
+                              "file": site[0], "line": site[1],
+                              "function": caller.f_code.co_name}  # fmt: skip
                     previous[site] = meta["input_sizes"]
                     line = json.dumps(record)[: LAST_RECORD_BYTES - 1].ljust(LAST_RECORD_BYTES - 1)
                     os.pwrite(fd, line.encode() + b"\n", 0)
@@ -458,7 +466,8 @@ class HangWatchdog:
         self.run.write_text(f"hang.rank{self.rank}.stacks.txt", format_stacks(stacks))
         self.run.write_json(f"hang.rank{self.rank}.json", record)  # last: its presence means complete
         print(
-            f"ciuic-doctor watch: rank {self.rank}: {reason}: hang dump in {self.run.path}/hang.rank{self.rank}.json",
+            f"ciuic-doctor watch: rank {self.rank}: {reason}: hang dump in "
+            f"{self.run.path / f'hang.rank{self.rank}.json'}",
             file=sys.stderr,
         )
 

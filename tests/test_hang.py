@@ -25,17 +25,26 @@ from ciuic_doctor.hang_files import HangFiles, load, parse_faulthandler, py_spy_
 from ciuic_doctor.store import RunDir
 
 JOB = Path(__file__).parent / "data" / "hang_job.py"
-PG_TIMEOUT_S = 6
+PG_TIMEOUT_S = 4
 GRAD_LINE = "hang_job.py:60"  # dist.all_reduce(flat): the gradient all_reduce
 LOSS_LINE = "hang_job.py:62"  # dist.all_reduce(loss): the logged loss
 
 
 def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HANG_PG_TIMEOUT": str(PG_TIMEOUT_S)}
+    full = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+        "HANG_PG_TIMEOUT": str(PG_TIMEOUT_S),
+    }
     full.pop("CIUIC_RUN_DIR", None)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     return subprocess.Popen(
-        [*launcher, *argv], env={**full, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*launcher, *argv],
+        env={**full, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -60,7 +69,9 @@ def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2", stopped
                 dump = run / "hang.rank0.json"
                 with contextlib.suppress(OSError, ValueError):
                     if json.loads(dump.read_text()).get("reason") == "collective-error":
-                        os.kill(json.loads((run / "hang.rank1.armed.json").read_text())["pid"], signal.SIGKILL)
+                        os.kill(
+                            json.loads((run / "hang.rank1.armed.json").read_text())["pid"], signal.SIGKILL
+                        )
             time.sleep(0.3)
     finally:
         output = _kill_tree(proc) if proc.poll() is None else proc.communicate()[0]
@@ -68,7 +79,10 @@ def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2", stopped
     return run
 
 
-def _hang(run: Path) -> dict:
+def _hang(run: Path, *, cli: bool = False) -> dict:
+    """The `hang` finding, in this process (the CLI's own path: load + judge) or through the CLI."""
+    if not cli:
+        return judge(load(RunDir.open(run)))[0].to_dict()
     done = run_cli("hang", str(run), "--json", timeout=120)
     assert done.returncode == 1, done.stderr
     return json.loads(done.stdout)[0]
@@ -78,31 +92,35 @@ def _within_bar(run: Path) -> None:
     """The culprit-naming dump came within the process-group timeout + 30 s of the last step."""
     steps = RunDir.open(run).read("steps").records
     dumps = [json.loads(p.read_text()) for p in run.glob("hang.rank*.json") if p.name.count(".") == 2]
-    assert dumps and steps
+    assert dumps
+    assert steps
     assert min(d["t"] for d in dumps) - max(s["t"] for s in steps) < PG_TIMEOUT_S + 30
 
 
 @pytest.mark.slow
 def test_rank_stuck_in_data_loading_is_a_stall_at_its_own_frame(tmp_path):
-    run = hung_job(tmp_path, "loader", hang_after=None)  # the default: 0.8 x the 6 s timeout
-    finding = _hang(run)
+    run = hung_job(tmp_path, "loader", hang_after=None)  # the default: 0.8 x the process-group timeout
+    finding = _hang(run, cli=True)
     ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"]) == ("stall", [1]), finding["summary"]
-    assert "load_batch at" in ev["culprit_frame"] and "hang_job.py:35" in ev["culprit_frame"]
-    assert ev["collective"]["op"] == "all_reduce" and GRAD_LINE in ev["collective"]["call_site"]
-    assert ev["collective"]["sizes"] == [[68]] and ev["collective"]["dtypes"] == ["Float"]
-    assert ev["waiting_ranks"] == [0]
-    assert json.loads((run / "hang.rank1.json").read_text())["hang_after_s"] == pytest.approx(0.8 * PG_TIMEOUT_S)
+    assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("stall", [1], [0]), finding["summary"]
+    assert "load_batch at" in ev["culprit_frame"]
+    assert "hang_job.py:35" in ev["culprit_frame"]
+    collective = ev["collective"]
+    assert (collective["op"], collective["sizes"], collective["dtypes"]) == ("all_reduce", [[68]], ["Float"])
+    assert GRAD_LINE in collective["call_site"]
+    armed_default = json.loads((run / "hang.rank1.json").read_text())["hang_after_s"]
+    assert armed_default == pytest.approx(0.8 * PG_TIMEOUT_S)
     _within_bar(run)
 
 
 @pytest.mark.slow
 def test_rank_that_skips_an_all_reduce_is_a_desync(tmp_path):
     run = hung_job(tmp_path, "skip")
-    ev = _hang(run)["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"]) == ("desync", [1])
+    finding = _hang(run)
+    ev = finding["evidence"]
+    assert (ev["kind"], ev["culprit_ranks"]) == ("desync", [1]), finding["summary"]
     assert LOSS_LINE in ev["culprit_frame"]  # rank 1 is already in the next collective
-    assert GRAD_LINE in ev["collective"]["call_site"] and ev["collective"]["seq"] == 7
+    assert GRAD_LINE in ev["collective"]["call_site"]
     _within_bar(run)
 
 
@@ -112,7 +130,8 @@ def test_rank_that_all_reduces_a_different_size_is_a_mismatch(tmp_path):
     finding = _hang(run)
     ev = finding["evidence"]
     assert (ev["kind"], ev["culprit_ranks"]) == ("mismatch", [1]), finding["summary"]
-    assert "[[69]]" in finding["summary"] and "[[68]]" in finding["summary"], finding["summary"]
+    assert "[[69]]" in finding["summary"], finding["summary"]
+    assert "[[68]]" in finding["summary"], finding["summary"]
     assert GRAD_LINE in ev["culprit_frame"]
     _within_bar(run)
 
@@ -122,8 +141,8 @@ def test_rank_killed_with_sigkill_is_dead(tmp_path):
     run = hung_job(tmp_path, "kill")
     finding = _hang(run)
     ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"]) == ("dead", [1]), finding["summary"]
-    assert GRAD_LINE in ev["collective"]["call_site"] and ev["waiting_ranks"] == [0]
+    assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("dead", [1], [0]), finding["summary"]
+    assert GRAD_LINE in ev["collective"]["call_site"]
     _within_bar(run)
 
 
@@ -151,7 +170,9 @@ def test_hang_pid_on_a_job_started_without_watch_names_the_stuck_frame(tmp_path)
         deadline, ev, done = time.monotonic() + 60, {}, None
         while time.monotonic() < deadline and ev.get("kind") != "stall":
             time.sleep(2)
-            done = run_cli("hang", "--pid", str(proc.pid), "--out", str(tmp_path / "pid"), "--json", timeout=120)
+            done = run_cli(
+                "hang", "--pid", str(proc.pid), "--out", str(tmp_path / "pid"), "--json", timeout=120
+            )
             if done.returncode == 2 and "ptrace" in done.stderr:
                 pytest.skip(done.stderr.strip())
             if done.stdout.startswith("["):
@@ -174,25 +195,30 @@ def test_history_pattern_says_which_collective_comes_next():
 def test_faulthandler_text_is_parsed_and_the_main_thread_found():
     text = (
         "Fatal Python error: Aborted\n\nThread 0x00007f25da7146c0 (most recent call first):\n"
-        '  File "/x/watch_hang.py", line 289 in _wait\n  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
+        '  File "/x/watch_hang.py", line 289 in _wait\n'
+        '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
         'Thread 0x00007f25fa1fdb80 (most recent call first):\n  File "train.py", line 62 in main\n'
         '  File "train.py", line 69 in <module>\n'
     )
     threads = parse_faulthandler(text)
-    assert threads[0]["main"] and threads[0]["frames"][0] == {"file": "train.py", "line": 62, "function": "main"}
+    assert threads[0]["main"]
+    assert threads[0]["frames"][0] == {"file": "train.py", "line": 62, "function": "main"}
 
 
 def test_no_dumps_is_not_run_and_a_torn_dump_is_named(tmp_path):
-    assert judge(HangFiles())[0]["verdict" if False else 0] if False else judge(HangFiles())[0].verdict == "not_run"
+    assert judge(HangFiles())[0].verdict == "not_run"
     run = RunDir.create(tmp_path / "run")
     (run.path / "hang.rank0.json").write_text('{"schema": 1, "ra')
     files = load(run)
-    assert files.problems and "hang.rank0.json" in files.problems[0]
+    assert files.problems
+    assert "hang.rank0.json" in files.problems[0]
 
 
 def test_usage_errors_are_one_line(tmp_path):
     for argv in (["hang"], ["hang", str(tmp_path), "--pid", "1"], ["hang", str(tmp_path / "nope")]):
         done = run_cli(*argv, timeout=60)
-        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     done = run_cli("hang", "--pid", "999999999", timeout=60)
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -37,7 +37,8 @@ from ciuic_doctor.store import RunDir
 PROBE = "hang"
 STREAMS = ("steps",)  # run_all runs this on watched runs; the dumps themselves are not streams
 _LIBRARY = (
-    "/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/probes/watch", "/lib/python3", "<frozen",
+    "/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/probes/watch", "/lib/python3",
+    "<frozen",
 )  # fmt: skip
 _GONE = {"gone", "exited"}
 _PEER_LOST = re.compile(r"(closed|reset) by peer|Connection refused|Broken pipe", re.IGNORECASE)
@@ -47,7 +48,7 @@ _KEEP_NEXT_TIME = (
 )
 _ADVICE = {
     "stall": "Look at the culprit frame: that rank is outside any collective (a sleep, I/O, a lock, data "
-    "loading) while the others wait for it; a DataLoader stall: DataLoader(timeout=...) turns it into an error.",
+    "loading) while the others wait for it; DataLoader(timeout=...) turns a loader stall into an error.",
     "desync": "The culprit issued a different collective (or one from another line) at the same sequence "
     "number: a collective skipped or added under a rank-dependent branch, an early exit, or uneven data "
     "(model.join() / drop_last=True).",
@@ -96,7 +97,8 @@ def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
 def _where(frame: dict[str, Any] | None) -> str | None:
     if frame is None:
         return None
-    return f"{frame.get('function') or frame.get('name')} at {frame.get('file') or frame.get('filename')}:{frame.get('line')}"
+    function = frame.get("function") or frame.get("name")
+    return f"{function} at {frame.get('file') or frame.get('filename')}:{frame.get('line')}"
 
 
 def _main_frames(threads: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -118,7 +120,9 @@ def _op(entry: dict[str, Any]) -> str:
     return str(entry.get("profiling_name", "")).split(":")[-1]
 
 
-def _fr_position(pos: Position, entries: list[dict[str, Any]], status: dict[str, Any], *, failed: bool) -> None:
+def _fr_position(
+    pos: Position, entries: list[dict[str, Any]], status: dict[str, Any], *, failed: bool
+) -> None:
     """Position from Flight Recorder: the first entry past its group's last completed sequence number.
 
     A collective that raised is counted as completed (retired) by the time the error reaches Python, so
@@ -131,7 +135,9 @@ def _fr_position(pos: Position, entries: list[dict[str, Any]], status: dict[str,
         pending = collectives[-1:]
     for e in collectives:
         if e not in pending:
-            pos.history.append((_op(e), _where(user_frame(e.get("frames", []))) or "?", str(e.get("input_sizes"))))
+            pos.history.append(
+                (_op(e), _where(user_frame(e.get("frames", []))) or "?", str(e.get("input_sizes")))
+            )
     pos.in_collective = bool(pending)
     last = pending[0] if pending else (collectives[-1] if collectives else None)
     if last is not None:
@@ -139,7 +145,7 @@ def _fr_position(pos: Position, entries: list[dict[str, Any]], status: dict[str,
         if pending:
             pos.op, pos.sizes, pos.dtypes = _op(last), last.get("input_sizes"), last.get("input_dtypes")
             pos.site = _where(user_frame(last.get("frames", [])))
-            name, desc = (list(last.get("process_group") or ["?", "?"]) + ["?"])[:2]
+            name, desc = [*list(last.get("process_group") or ["?", "?"]), "?"][:2]
             pos.pg = f"{name}:{desc}"
 
 
@@ -166,7 +172,12 @@ def positions(files: HangFiles) -> dict[int, Position]:
         dump = files.dumps.get(rank)
         threads = None
         if dump is not None and not dump.get("resumed_t"):
-            pos.source, pos.state, threads, pos.error = "watchdog", "running", dump.get("threads"), dump.get("error")
+            pos.source, pos.state, threads, pos.error = (
+                "watchdog",
+                "running",
+                dump.get("threads"),
+                dump.get("error"),
+            )
             if rank in files.fr_entries:
                 failed = dump.get("reason") == "collective-error"
                 _fr_position(pos, files.fr_entries[rank], dump.get("pg_status") or {}, failed=failed)
@@ -174,7 +185,11 @@ def positions(files: HangFiles) -> dict[int, Position]:
             pos.source, pos.state, threads = "faulthandler", "aborted", files.fatal[rank]
             _last_position(pos, files.last.get(rank), _main_frames(threads))
         elif rank in files.py_spy and files.py_spy[rank].get("threads"):
-            pos.source, pos.state, threads = "py-spy", files.py_spy[rank].get("state"), files.py_spy[rank]["threads"]
+            pos.source, pos.state, threads = (
+                "py-spy",
+                files.py_spy[rank].get("state"),
+                files.py_spy[rank]["threads"],
+            )
         elif rank in seen_by_peers:
             peer = seen_by_peers[rank]
             pos.state = peer.get("state")
@@ -220,7 +235,7 @@ def _expected(history: list[tuple[str, str, str]], seq: int | None) -> tuple[str
             index = seq - 1 - period
             while index >= len(history):
                 index -= period
-            return history[index] if 0 <= index else None
+            return history[index] if index >= 0 else None
     return None
 
 
@@ -238,7 +253,9 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
     reset = [p for p in waiting if p.error and _PEER_LOST.search(p.error)]
     unseen = [p for p in pos.values() if p.source == "none" and p.state not in ("stopped",)]
     if reset and unseen:
-        return _verdict("dead", unseen, waiting, ref, f"left no dump and its peers lost it ({reset[0].error[-80:]})")
+        return _verdict(
+            "dead", unseen, waiting, ref, f"left no dump and its peers lost it ({reset[0].error[-80:]})"
+        )
     outside = [p for p in pos.values() if p.state == "stopped" or (p.in_collective is False and p.frame)]
     if outside and waiting:
         why = "stopped (SIGSTOP or a debugger)" if outside[0].state == "stopped" else "outside any collective"
@@ -253,11 +270,16 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
     sized = [p for p in known if p.sizes is not None]
     unsized = [p for p in known if p.state == "aborted" and p.sizes is None]  # gloo aborted it mid-way
     if len({(str(p.sizes), str(p.dtypes)) for p in sized}) > 1 or (unsized and sized):
-        culprits = _minority(sized, lambda p: (str(p.sizes), str(p.dtypes))) or _pattern_breakers(sized, "sizes")
+        culprits = _minority(sized, lambda p: (str(p.sizes), str(p.dtypes))) or _pattern_breakers(
+            sized, "sizes"
+        )
         if culprits:
             why = _size_change(culprits[0])
         elif unsized:
-            culprits, why = unsized, "aborted inside it (its sizes unseen: gloo aborts a rank sent another size)"
+            culprits, why = (
+                unsized,
+                "aborted inside it (its sizes unseen: gloo aborts a rank sent another size)",
+            )
         else:
             culprits, why = sized, "called it with different sizes or dtypes"
         return _verdict("mismatch", culprits, waiting, ref, why)
@@ -280,7 +302,9 @@ def _minority(cands: list[Position], key: Any) -> list[Position]:
     return [p for p in cands if counts[key(p)] == least]
 
 
-def _verdict(kind: str, culprits: list[Position], waiting: list[Position], ref: Position | None, why: str) -> dict:
+def _verdict(
+    kind: str, culprits: list[Position], waiting: list[Position], ref: Position | None, why: str
+) -> dict:
     names = {p.rank for p in culprits}
     # the collective as the ranks that wait in it issued it, when one of them has Flight Recorder's entry
     ref = next((p for p in waiting if p.rank not in names and p.sizes is not None), ref)
@@ -323,14 +347,16 @@ def judge(files: HangFiles) -> list[Finding]:
     if ref is not None and ref.op:
         collective = {"op": ref.op, "seq": ref.seq, "sizes": ref.sizes, "dtypes": ref.dtypes, "pg": ref.pg,
                       "call_site": ref.site}  # fmt: skip
-    who = ", ".join(f"rank {p.rank}" + (f" ({p.host})" if p.host else "") for p in culprits) or "no single rank"
+    who = (
+        ", ".join(f"rank {p.rank}" + (f" ({p.host})" if p.host else "") for p in culprits) or "no single rank"
+    )
     summary = f"{result['kind']}: {who} {result['why']}"
     if culprits and culprits[0].frame:
         summary += f"; its own frame: {culprits[0].frame}"
     if collective and waiting:
         summary += (
             f"; ranks {_ranks(waiting)} wait in {collective['op']} #{collective['seq']} "
-            f"({collective['sizes']}, {collective['dtypes']}, pg {collective['pg']}) from {collective['call_site']}"
+            f"({_describe(collective)}) from {collective['call_site']}"
         )
     unseen = sorted(p.rank for p in pos.values() if p.source == "none")
     evidence = {
@@ -348,7 +374,9 @@ def judge(files: HangFiles) -> list[Finding]:
     where = {"ranks": [p.rank for p in culprits]} | ({"rank": culprits[0].rank} if len(culprits) == 1 else {})
     if evidence["culprit_hosts"]:
         where["hosts"] = evidence["culprit_hosts"]
-    findings = [Finding(probe=PROBE, check="hang", verdict="fail", summary=summary, evidence=evidence, where=where)]
+    findings = [
+        Finding(probe=PROBE, check="hang", verdict="fail", summary=summary, evidence=evidence, where=where)
+    ]
     seen = [p.rank for p in pos.values() if p.source != "none"]
     findings.append(
         Finding(
@@ -360,11 +388,24 @@ def judge(files: HangFiles) -> list[Finding]:
                 if unseen
                 else f"every rank's position is known ({len(seen)} ranks)"
             ),
-            evidence={"seen_ranks": seen, "unseen_ranks": unseen, "sources": {p.rank: p.source for p in pos.values()}},
+            evidence={
+                "seen_ranks": seen,
+                "unseen_ranks": unseen,
+                "sources": {p.rank: p.source for p in pos.values()},
+            },
             where={"ranks": unseen},
         )
     )
     return findings
+
+
+def _describe(collective: dict[str, Any]) -> str:
+    parts = [
+        collective["sizes"],
+        collective["dtypes"],
+        f"pg {collective['pg']}" if collective["pg"] else None,
+    ]
+    return ", ".join(str(p) for p in parts if p is not None) or "sizes unseen"
 
 
 def _ranks(ps: list[Any]) -> str:

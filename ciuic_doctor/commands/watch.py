@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         metavar="S",
         help="seconds without an optimizer step or a completed collective that count as a hang: dump "
-        "RUN/hang.rank<R>.* (default: 20 median steps, at least 30 s, at most 0.8 x the process-group timeout)",
+        "RUN/hang.rank<R>.* (default: 20 median steps, at least 30 s, at most 0.8 x the process-group "
+        "timeout)",
     )
     parser.add_argument(
         "--fr-buffer",

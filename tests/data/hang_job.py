@@ -27,7 +27,7 @@ PG_TIMEOUT_S = float(os.environ.get("HANG_PG_TIMEOUT", "6"))
 
 
 def culprit(step: int, rank: int, mode: str) -> bool:
-    return MODE == mode and step == HANG_STEP and rank == HANG_RANK
+    return mode == MODE and step == HANG_STEP and rank == HANG_RANK
 
 
 def load_batch(step: int, rank: int) -> torch.Tensor:

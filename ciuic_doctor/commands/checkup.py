@@ -213,9 +213,17 @@ def run(args: argparse.Namespace) -> int:
     result = build_report(run_dir, spec_path=args.spec, analyze=True)
     checkup.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
     total_s = round(time.perf_counter() - started, 2)
-    run_dir.update_meta(checkup={"phases": [asdict(p) for p in checkup.phases], "seconds": total_s})
+    from ciuic_doctor.hang_files import has_hang_dumps  # issue 16: record whether the job hung
+
+    hung = has_hang_dumps(run_dir.path) or any(
+        p.name == "job" and p.status == "timeout" for p in checkup.phases
+    )
+    phases = [asdict(p) for p in checkup.phases]
+    run_dir.update_meta(checkup={"phases": phases, "seconds": total_s, "hung": hung})  # issue 16: "hung"
     checkup.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
     print()
     print(result.summary)
+    if hung:  # issue 16
+        print(f"the job hung: `ciuic-doctor hang {out}` says which rank, where and why")
     print(f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}")
     return 1 if args.strict and result.overall == "fail" else 0

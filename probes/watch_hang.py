@@ -8,7 +8,8 @@ for `hang_after_s`, or when a collective raises (a timeout, a peer that reset th
     RUN/hang.rank<R>.json        why, when, the last step, Flight Recorder's group status, every thread's
                                  Python stack, and the state of the other ranks on this host
     RUN/hang.rank<R>.stacks.txt  the same stacks, as a person reads them
-    RUN/hang.fr/rank<R>          Flight Recorder's own dump (torch's pickle: `torchfrtrace RUN/hang.fr`)
+    RUN/hang.fr/rank<R>          Flight Recorder's own dump (torch's pickle, the file torchfrtrace reads)
+    RUN/hang.rank<R>.last.json   the last Python collective issued (watch_hang_last: for a rank gloo aborts)
 
 once per stall, without stopping the job. `kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends)
 asks for the same dump at any time; it is read by this thread through a wake-up socket, so it works while
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import functools
 import json
 import logging
 import os
@@ -101,31 +101,6 @@ def fr_status() -> dict[str, Any] | None:
 
     dump = pickle.loads(_dump_fr_trace(includeCollectives=False, includeStackTraces=False, onlyActive=False))
     return dump.get("pg_status") or {}
-
-
-_COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
-)  # fmt: skip
-LAST_RECORD_BYTES = 1024
-
-
-def _tensor_meta(first: Any) -> dict[str, Any]:
-    """input_sizes / input_dtypes as Flight Recorder writes them, for a tensor or a list of tensors."""
-    tensors = first if isinstance(first, list | tuple) else [first]
-    tensors = [t for t in tensors[:8] if hasattr(t, "shape")]
-    return {
-        "input_sizes": [list(t.shape) for t in tensors],
-        "input_dtypes": [_FR_DTYPES.get(str(t.dtype), str(t.dtype)) for t in tensors],
-    }
-
-
-_FR_DTYPES = {  # c10's ScalarType names, which Flight Recorder's input_dtypes use
-    "torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half",
-    "torch.bfloat16": "BFloat16",
-    "torch.int64": "Long", "torch.int32": "Int", "torch.int16": "Short", "torch.int8": "Char",
-    "torch.uint8": "Byte", "torch.bool": "Bool",
-}  # fmt: skip
 
 
 _OWN = (
@@ -259,47 +234,9 @@ class HangWatchdog:
         self._undo.append(lambda: logger.removeHandler(handler))
 
     def _install_last_collective(self) -> None:
-        """Wrap torch.distributed's Python collectives to leave the last one issued on disk.
+        from ciuic_doctor.probes.watch_hang_last import install
 
-        A rank that gloo aborts (it was sent a different size than it expected) dies inside the
-        collective with no time to dump; one pwrite of a fixed-size record per collective (~3 us, into the
-        page cache, which outlives the process) keeps its op, sizes, dtype and call site.
-        Collectives issued from C++ (DDP's buckets) are not seen here; Flight Recorder has those.
-        """
-        import torch.distributed as dist
-
-        path = self.run.path / f"hang.rank{self.rank}.last.json"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        count = [0]
-        previous: dict[tuple[str, int], Any] = {}  # call site -> the sizes it had last time
-
-        def make(name: str, original: Callable) -> Callable:
-            def collective(*args: Any, **kwargs: Any) -> Any:
-                count[0] += 1
-                with contextlib.suppress(Exception):  # never the user's training
-                    caller = sys._getframe(1)
-                    site = (caller.f_code.co_filename, caller.f_lineno)
-                    meta = _tensor_meta(args[0] if args else kwargs.get("tensor"))
-                    record = {"n": count[0], "op": name, **meta, "prev_sizes": previous.get(site),
-                              "file": site[0], "line": site[1],
-                              "function": caller.f_code.co_name}  # fmt: skip
-                    previous[site] = meta["input_sizes"]
-                    line = json.dumps(record)[: LAST_RECORD_BYTES - 1].ljust(LAST_RECORD_BYTES - 1)
-                    os.pwrite(fd, line.encode() + b"\n", 0)
-                return original(*args, **kwargs)
-
-            return functools.wraps(original)(collective)
-
-        originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-        for name, original in originals.items():
-            setattr(dist, name, make(name, original))
-
-        def undo() -> None:
-            for name, original in originals.items():
-                setattr(dist, name, original)
-            os.close(fd)
-
-        self._undo.append(undo)
+        self._undo.append(install(self.run.path / f"hang.rank{self.rank}.last.json"))
 
     def _install_signals(self) -> None:
         """SIGUSR1 asks for a dump; SIGTERM (torchrun stopping the others after one rank died) dumps first.
@@ -481,6 +418,7 @@ class HangWatchdog:
         from torch._C._distributed_c10d import _dump_fr_trace
 
         raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+        (self.run.path / "hang.fr").mkdir(exist_ok=True)
         name = f"hang.fr/rank{self.rank}"
         target = self.run.path / name
         tmp = target.with_name(f".{target.name}.tmp")

@@ -89,12 +89,14 @@ def _hang(run: Path, *, cli: bool = False) -> dict:
 
 
 def _within_bar(run: Path) -> None:
-    """The culprit-naming dump came within the process-group timeout + 30 s of the last step."""
+    """The culprit-naming dump (or faulthandler's stacks of an aborted rank) came within the process-group
+    timeout + 30 s of the last step."""
     steps = RunDir.open(run).read("steps").records
-    dumps = [json.loads(p.read_text()) for p in run.glob("hang.rank*.json") if p.name.count(".") == 2]
-    assert dumps
+    dumps = [json.loads(p.read_text())["t"] for p in run.glob("hang.rank*.json") if p.name.count(".") == 2]
+    fatal = [p.stat().st_mtime for p in run.glob("hang.rank*.fatal.txt") if p.stat().st_size]
+    assert dumps or fatal
     assert steps
-    assert min(d["t"] for d in dumps) - max(s["t"] for s in steps) < PG_TIMEOUT_S + 30
+    assert min(dumps + fatal) - max(s["t"] for s in steps) < PG_TIMEOUT_S + 30
 
 
 @pytest.mark.slow

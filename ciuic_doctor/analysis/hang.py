@@ -355,7 +355,9 @@ def judge(files: HangFiles) -> list[Finding]:
         summary += f"; its own frame: {culprits[0].frame}"
     if collective and waiting:
         summary += (
-            f"; ranks {_ranks(waiting)} wait in {collective['op']} #{collective['seq']} "
+            f"; ranks {_ranks(waiting)} wait in {collective['op']}"
+            + (f" #{collective['seq']}" if collective["seq"] is not None else "")
+            + " "
             f"({_describe(collective)}) from {collective['call_site']}"
         )
     unseen = sorted(p.rank for p in pos.values() if p.source == "none")

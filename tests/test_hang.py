@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -57,26 +56,24 @@ def _kill_tree(proc: subprocess.Popen) -> str:
     return proc.communicate()[0]
 
 
-def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2", stopped: bool = False) -> Path:
-    """Run the job under watch until torchrun ends it (at most PG timeout + 40 s); the run directory."""
+def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2") -> Path:
+    """Run the job under watch until torchrun ends it (at most PG timeout + 60 s); the run directory."""
     run = tmp_path / mode
     options = ["--hang-after", hang_after] if hang_after else []
     proc = _launch(["-m", "ciuic_doctor", "watch", "--out", str(run), *options, "--", str(JOB), mode])
-    deadline = time.monotonic() + PG_TIMEOUT_S + 60
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            if stopped:  # a stopped rank ignores torchrun's SIGTERM: once rank 0 gave up, end it
-                dump = run / "hang.rank0.json"
-                with contextlib.suppress(OSError, ValueError):
-                    if json.loads(dump.read_text()).get("reason") == "collective-error":
-                        os.kill(
-                            json.loads((run / "hang.rank1.armed.json").read_text())["pid"], signal.SIGKILL
-                        )
-            time.sleep(0.3)
-    finally:
-        output = _kill_tree(proc) if proc.poll() is None else proc.communicate()[0]
+        output = proc.communicate(timeout=PG_TIMEOUT_S + 60)[0]
+    except subprocess.TimeoutExpired:
+        output = _kill_tree(proc)
     assert proc.returncode != 0, output[-3000:]
     return run
+
+
+def _wait_for(path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert path.exists(), f"{path} did not appear within {timeout_s} s"
 
 
 def _hang(run: Path, *, cli: bool = False) -> dict:
@@ -149,11 +146,22 @@ def test_rank_killed_with_sigkill_is_dead(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame(tmp_path):
+def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_watched_ranks(tmp_path):
+    """rank 1 stops itself in save_checkpoint; rank 0's watchdog dumps (with py-spy's stack of its stopped
+    peer); then `hang --pid` asks both ranks by SIGUSR1: rank 0 answers from its watchdog thread while
+    its main thread is blocked in all_reduce, and rank 1, which cannot, is read with py-spy."""
     if py_spy_binary() is None:
         pytest.skip("py-spy is not installed")
-    run = hung_job(tmp_path, "stop", stopped=True)
-    finding = _hang(run)
+    run = tmp_path / "stop"
+    argv = ["-m", "ciuic_doctor", "watch", "--out", str(run), "--hang-after", "2", "--", str(JOB), "stop"]
+    proc = _launch(argv, env={"HANG_PG_TIMEOUT": "60"})  # the job stays hung while we look
+    try:
+        _wait_for(run / "hang.rank0.json", 60)
+        finding = _hang(run)
+        asked_at = time.time()
+        done = run_cli("hang", "--pid", str(proc.pid), "--wait", "5", "--json", timeout=120)
+    finally:
+        _kill_tree(proc)
     ev = finding["evidence"]
     assert (ev["kind"], ev["culprit_ranks"]) == ("stall", [1]), finding["summary"]
     assert "stopped" in finding["summary"]
@@ -161,6 +169,14 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame(tmp_path):
         pytest.skip("py-spy was refused access to the stopped rank (ptrace)")
     assert "save_checkpoint at" in ev["culprit_frame"]
     _within_bar(run)
+    assert done.returncode == 1, done.stderr
+    asked = json.loads(done.stdout)[0]["evidence"]
+    assert (asked["kind"], asked["culprit_ranks"]) == ("stall", [1]), done.stdout
+    assert "save_checkpoint at" in asked["culprit_frame"]
+    answer = json.loads((run / "hang.rank0.json").read_text())
+    assert (answer["reason"], answer["t"] > asked_at) == ("requested", True)
+    sources = {row["rank"]: row["source"] for row in asked["ranks"]}
+    assert sources == {0: "watchdog", 1: "py-spy"}
 
 
 @pytest.mark.slow

@@ -240,3 +240,31 @@ def test_usage_errors_are_one_line(tmp_path):
     done = run_cli("hang", "--pid", "999999999", timeout=60)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_report_has_a_hang_section_only_when_the_job_hung(tmp_path):
+    from ciuic_doctor.findings import Finding
+    from ciuic_doctor.report.sections import build_sections
+
+    row = {"rank": 1, "host": "h<1>", "source": "watchdog", "state": "running", "in_collective": False,
+           "frame": "load_batch at train.py:88"}  # fmt: skip
+    hung = Finding(probe="hang", check="hang", verdict="fail", summary="stall: rank 1",
+                   evidence={"ranks": [row], "next": "look at load_batch"}, where={"rank": 1})  # fmt: skip
+    quiet = Finding(probe="hang", check="hang", verdict="pass", summary="no hang")
+    streams = {name: [] for name in ("comm", "steps", "memwatch", "loader", "checkpoint")}
+    assert "hang" not in [s.id for s in build_sections(streams, [quiet], {})]
+    section = next(s for s in build_sections(streams, [hung], {}) if s.id == "hang")
+    assert section.findings == [hung]
+    assert section.tables[0].rows[0][-1][0] == "load_batch at train.py:88"
+    assert section.notes == ["Next: look at load_batch"]
+
+
+def test_has_hang_dumps_ignores_an_armed_quiet_watchdog(tmp_path):
+    from ciuic_doctor.hang_files import has_hang_dumps
+
+    (tmp_path / "hang.rank0.armed.json").write_text("{}")
+    (tmp_path / "hang.rank0.fatal.txt").write_text("")
+    (tmp_path / "hang.rank0.last.json").write_text("{}")
+    assert not has_hang_dumps(tmp_path)
+    (tmp_path / "hang.rank0.fatal.txt").write_text("Fatal Python error: Aborted\n")
+    assert has_hang_dumps(tmp_path)

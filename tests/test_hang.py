@@ -29,7 +29,7 @@ GRAD_LINE = "hang_job.py:60"  # dist.all_reduce(flat): the gradient all_reduce
 LOSS_LINE = "hang_job.py:62"  # dist.all_reduce(loss): the logged loss
 
 
-def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def _launch(argv: list[str], env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:
     full = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -37,7 +37,7 @@ def _launch(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Po
         "HANG_PG_TIMEOUT": str(PG_TIMEOUT_S),
     }
     full.pop("CIUIC_RUN_DIR", None)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     return subprocess.Popen(
         [*launcher, *argv],
         env={**full, **(env or {})},
@@ -56,11 +56,13 @@ def _kill_tree(proc: subprocess.Popen) -> str:
     return proc.communicate()[0]
 
 
-def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2") -> Path:
+def hung_job(tmp_path: Path, mode: str, *, hang_after: str | None = "2", nproc: int = 2) -> Path:
     """Run the job under watch until torchrun ends it (at most PG timeout + 60 s); the run directory."""
     run = tmp_path / mode
     options = ["--hang-after", hang_after] if hang_after else []
-    proc = _launch(["-m", "ciuic_doctor", "watch", "--out", str(run), *options, "--", str(JOB), mode])
+    proc = _launch(
+        ["-m", "ciuic_doctor", "watch", "--out", str(run), *options, "--", str(JOB), mode], nproc=nproc
+    )
     try:
         output = proc.communicate(timeout=PG_TIMEOUT_S + 60)[0]
     except subprocess.TimeoutExpired:
@@ -97,11 +99,14 @@ def _within_bar(run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_rank_stuck_in_data_loading_is_a_stall_at_its_own_frame(tmp_path):
-    run = hung_job(tmp_path, "loader", hang_after=None)  # the default: 0.8 x the process-group timeout
+def test_rank_stuck_in_data_loading_of_4_is_a_stall_at_its_own_frame(tmp_path):
+    # 4 ranks, the watchdog's default hang-after (0.8 x the process-group timeout); one finding names them all
+    run = hung_job(tmp_path, "loader", hang_after=None, nproc=4)
     finding = _hang(run, cli=True)
     ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("stall", [1], [0]), finding["summary"]
+    assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("stall", [1], [0, 2, 3]), finding[
+        "summary"
+    ]
     assert "load_batch at" in ev["culprit_frame"]
     assert "hang_job.py:35" in ev["culprit_frame"]
     collective = ev["collective"]
@@ -142,6 +147,7 @@ def test_rank_killed_with_sigkill_is_dead(tmp_path):
     ev = finding["evidence"]
     assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("dead", [1], [0]), finding["summary"]
     assert GRAD_LINE in ev["collective"]["call_site"]
+    assert "its last step record: step 3" in finding["summary"]  # killed in step 4's load_batch
     _within_bar(run)
 
 

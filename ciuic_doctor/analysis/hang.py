@@ -83,6 +83,10 @@ class Position:
     error: str | None = None
     history: list[tuple[str, str, str]] = field(default_factory=list)  # (op, site, sizes) per completed seq
     prev_sizes: Any = None  # sizes of the previous call from the same line (the wrapper's record)
+    last_step: int | None = None  # its last step record
+    last_collective: str | None = (
+        None  # its last Python collective (watch's record), for a rank seen by nobody
+    )
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -195,6 +199,9 @@ def positions(files: HangFiles) -> dict[int, Position]:
             pos.state = peer.get("state")
             if peer.get("threads"):
                 pos.source, threads = "py-spy", peer["threads"]
+        pos.last_step = (files.last_steps.get(rank) or {}).get("step")
+        if (last := files.last.get(rank)) and pos.source == "none":
+            pos.last_collective = f"{last.get('op')} {last.get('input_sizes')} from " + str(_where(last))
         frames = _main_frames(threads)
         pos.frame = _where(user_frame(frames))
         if pos.in_collective is None and frames:
@@ -353,6 +360,12 @@ def judge(files: HangFiles) -> list[Finding]:
     summary = f"{result['kind']}: {who} {result['why']}"
     if culprits and culprits[0].frame:
         summary += f"; its own frame: {culprits[0].frame}"
+    elif culprits and culprits[0].source == "none":  # no stack: the last things it recorded
+        lost = culprits[0]
+        if lost.last_step is not None:
+            summary += f"; its last step record: step {lost.last_step}"
+        if lost.last_collective:
+            summary += f"; its last collective: {lost.last_collective}"
     if collective and waiting:
         summary += (
             f"; ranks {_ranks(waiting)} wait in {collective['op']}"
@@ -427,4 +440,6 @@ def _row(p: Position) -> dict[str, Any]:
         "call_site": p.site,
         "frame": p.frame,
         "error": p.error,
+        "last_step": p.last_step,
+        "last_collective": p.last_collective,
     }

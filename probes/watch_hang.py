@@ -45,7 +45,7 @@ from typing import Any
 
 from ciuic_doctor.store import RunDir
 
-FR_BUFFER_DEFAULT = 2000  # entries per rank (the default; torch's own default records nothing)
+FR_BUFFER_DEFAULT = 2000  # entries per rank; torch 2.13 defaults to 2000 too (measured), older ones to 0
 HANG_STEP_MULTIPLE = 20  # a stall is this many median steps without progress ...
 HANG_FLOOR_S = 30.0  # ... but never less: a checkpoint save or an eval pass is not a hang
 PG_TIMEOUT_FRACTION = 0.8  # ... and never above the process-group timeout: dump while every rank still waits

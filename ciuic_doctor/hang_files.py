@@ -92,6 +92,11 @@ def load(run: RunDir) -> HangFiles:
             files.py_spy = {int(k): v for k, v in json.loads(spy.read_text()).get("ranks", {}).items()}
         except (ValueError, AttributeError):
             files.problems.append("hang.pyspy.json: not valid JSON")
+    for rank, seen in files.py_spy.items():  # the job's own Flight Recorder dumps (NCCL's, on a timeout)
+        if seen.get("fr_file") and rank not in files.fr_entries:
+            entries = read_flight_recorder(run.path / seen["fr_file"], files.problems)
+            if entries is not None:
+                files.fr_entries[rank] = entries
     if run.has_stream("steps"):
         for record in run.read("steps").records:
             rank = record.get("rank")
@@ -117,6 +122,16 @@ def read_flight_recorder(path: Path, problems: list[str]) -> list[dict[str, Any]
         return list(read_dump("rank", str(path))["entries"])
     except Exception as exc:  # a torn or foreign pickle: say so, keep the rest
         problems.append(f"{path.parent.name}/{path.name}: unreadable Flight Recorder dump ({exc})")
+        return None
+
+
+def fr_status_of(path: Path) -> dict[str, Any] | None:
+    """A Flight Recorder dump's per-group counters (plain Python types: no torch needed to read them)."""
+    import pickle
+
+    try:
+        return pickle.loads(path.read_bytes()).get("pg_status")
+    except Exception:  # a torn or foreign file: the entries reader names it
         return None
 
 

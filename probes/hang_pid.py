@@ -26,13 +26,14 @@ from typing import Any
 import psutil
 
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.hang_files import py_spy_stacks
+from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
 from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach
 from ciuic_doctor.probes.watch_hang import process_state
 from ciuic_doctor.store import RunDir, default_run_path
 
 _FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")
 _FR_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_DEFAULT_PREFIX = "/tmp/nccl_trace_rank_"  # ProcessGroupNCCL's dump when neither variable is set
 
 
 def find_ranks(pid: int) -> dict[int, psutil.Process]:
@@ -85,6 +86,7 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
             entry["threads"], entry["error"] = py_spy_stacks(proc.pid)
         if fr := _copy_flight_recorder(proc, rank, run.path):
             entry["fr_file"] = fr
+            entry["pg_status"] = fr_status_of(run.path / fr)
         record["ranks"][str(rank)] = entry
     run.write_json("hang.pyspy.json", record)
     refused = [e["error"] for e in record["ranks"].values() if e.get("error")]
@@ -113,11 +115,19 @@ def _copy_flight_recorder(proc: psutil.Process, rank: int, run_path: Path) -> st
     except psutil.Error:
         return None
     for name in _FR_ENV:
-        prefix = env.get(name)
-        if prefix and os.path.isfile(f"{prefix}{rank}"):
+        prefix = env.get(name, NCCL_DEFAULT_PREFIX if name == _FR_ENV[-1] else None)
+        # a pickle: only one the rank's own user wrote (/tmp is shared) is read
+        if prefix and os.path.isfile(f"{prefix}{rank}") and _same_owner(f"{prefix}{rank}", proc):
             (run_path / "hang.fr").mkdir(exist_ok=True)
             target = run_path / "hang.fr" / f"rank{rank}"
             if not target.exists():
                 shutil.copyfile(f"{prefix}{rank}", target)
             return f"hang.fr/rank{rank}"
     return None
+
+
+def _same_owner(path: str, proc: psutil.Process) -> bool:
+    try:
+        return os.stat(path).st_uid == proc.uids().real
+    except (OSError, psutil.Error):
+        return False

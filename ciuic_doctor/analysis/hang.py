@@ -189,11 +189,10 @@ def positions(files: HangFiles) -> dict[int, Position]:
             pos.source, pos.state, threads = "faulthandler", "aborted", files.fatal[rank]
             _last_position(pos, files.last.get(rank), _main_frames(threads))
         elif rank in files.py_spy and files.py_spy[rank].get("threads"):
-            pos.source, pos.state, threads = (
-                "py-spy",
-                files.py_spy[rank].get("state"),
-                files.py_spy[rank]["threads"],
-            )
+            seen = files.py_spy[rank]
+            pos.source, pos.state, threads = "py-spy", seen.get("state"), seen["threads"]
+            if rank in files.fr_entries:  # the job's own Flight Recorder dump, found by `hang --pid`
+                _fr_position(pos, files.fr_entries[rank], seen.get("pg_status") or {}, failed=False)
         elif rank in seen_by_peers:
             peer = seen_by_peers[rank]
             pos.state = peer.get("state")

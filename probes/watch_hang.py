@@ -79,8 +79,8 @@ def default_hang_after(*, step_times_s: list[float], pg_timeout_s: float | None)
     return min(cap, max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * statistics.median(step_times_s)))
 
 
-def arm(session: Any, config: HangConfig | None = None) -> Callable[[], None]:
-    """Start the watchdog for `session` (a probes.watch.WatchSession); returns the function that stops it."""
+def arm(session: Any, config: HangConfig | None = None) -> Callable[..., None]:
+    """Start the watchdog for `session` (a probes.watch.WatchSession); returns `stop(exit_code=None)`."""
     config = config or HangConfig()
     arm_flight_recorder(config.fr_buffer)
     watchdog = HangWatchdog(run=session.run, rank=session.rank, config=config)
@@ -159,6 +159,7 @@ class HangWatchdog:
         self._completed = 0
         self._started = False  # no judging before the first step or collective (start-up is not a hang)
         self._stalled_dump = False  # a no-progress dump was made for the current stall
+        self._resume_pending = False
         self._error_dump = False
         self._pg_timeout_s: float | None = None
         self._thread = threading.Thread(target=self._loop, name="ciuic-hang-watchdog", daemon=True)
@@ -178,7 +179,12 @@ class HangWatchdog:
         self._install_signals()
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, exit_code: int | None = None) -> None:
+        """Disarm. A stall dumped earlier in a script that then exited 0 was a long pause (a final save,
+        an evaluation), not a hang: it is marked resumed, so it is not judged as one."""
+        if exit_code == 0 and (self._stalled_dump or self._resume_pending):
+            self._stalled_dump = self._resume_pending = False
+            self._mark_resumed()
         self._stop.set()
         for undo in reversed(self._undo):
             with contextlib.suppress(Exception):
@@ -307,9 +313,9 @@ class HangWatchdog:
     def _progressed(self) -> None:
         self._progress_t = time.monotonic()
         self._started = True
-        if self._stalled_dump:  # the stall ended: say so next to the dump, and watch for the next one
-            self._stalled_dump = False
-            self._mark_resumed()
+        if self._stalled_dump:  # the stall ended: the watchdog thread notes it next to the dump (never
+            self._stalled_dump = False  # here: the training thread must not wait for a dump in progress)
+            self._resume_pending = True
 
     def hang_after_s(self) -> float:
         if self.config.hang_after_s is not None:
@@ -344,6 +350,9 @@ class HangWatchdog:
             return b""
 
     def _poll(self) -> None:
+        if self._resume_pending:
+            self._resume_pending = False
+            self._mark_resumed()
         status = fr_status()
         if status:  # {} before the first collective: no news
             completed = sum(max(0, int(s.get("last_completed_collective", -1))) for s in status.values())

@@ -274,3 +274,55 @@ def test_has_hang_dumps_ignores_an_armed_quiet_watchdog(tmp_path):
     assert not has_hang_dumps(tmp_path)
     (tmp_path / "hang.rank0.fatal.txt").write_text("Fatal Python error: Aborted\n")
     assert has_hang_dumps(tmp_path)
+
+
+# ---- judged on constructed dumps: the kinds gloo on one machine cannot produce ---------------------
+def _entry(seq: int, line: int, sizes=((68,),), dtype="Float") -> dict:
+    frames = [{"name": "all_reduce", "filename": "/x/torch/distributed/distributed_c10d.py", "line": 1},
+              {"name": "main", "filename": "train.py", "line": line}]  # fmt: skip
+    return {"collective_seq_id": seq, "pg_id": 0, "process_group": ("0", "default_pg"), "is_p2p": False,
+            "profiling_name": "nccl:all_reduce", "input_sizes": [list(s) for s in sizes],
+            "input_dtypes": [dtype], "frames": frames}  # fmt: skip
+
+
+def _files(per_rank: dict[int, tuple[list[dict], int]], reason: str = "no-progress") -> HangFiles:
+    """rank -> (Flight Recorder entries, last completed seq), each with a watchdog dump."""
+    files = HangFiles()
+    for rank, (entries, completed) in per_rank.items():
+        files.dumps[rank] = {"rank": rank, "host": f"node{rank // 2}", "reason": reason, "threads": [],
+                             "pg_status": {"0": {"last_completed_collective": completed}}}  # fmt: skip
+        files.fr_entries[rank] = entries
+    return files
+
+
+def test_every_rank_inside_the_same_collective_is_in_collective():
+    history = [_entry(1, 60), _entry(2, 62)]
+    files = _files({r: ([*history, _entry(3, 60)], 2) for r in range(4)})
+    hang = judge(files)[0]
+    assert (hang.evidence["kind"], hang.evidence["culprit_ranks"]) == ("in-collective", [])
+    assert hang.evidence["waiting_ranks"] == [0, 1, 2, 3]
+    assert "NCCL_DEBUG=INFO" in hang.evidence["next"]
+
+
+def test_the_one_rank_of_four_in_another_collective_is_the_desync_culprit_and_its_host_is_named():
+    history = [_entry(1, 60), _entry(2, 62)]
+    per_rank = {r: ([*history, _entry(3, 60)], 2) for r in (0, 1, 3)}
+    per_rank[2] = ([*history, _entry(3, 62, sizes=((1,),))], 2)
+    hang = judge(_files(per_rank))[0]
+    assert (hang.evidence["kind"], hang.evidence["culprit_ranks"]) == ("desync", [2]), hang.summary
+    assert hang.where["hosts"] == ["node1"]
+    assert hang.evidence["collective"]["call_site"] == "main at train.py:60"
+
+
+def test_same_line_other_dtype_on_one_of_four_is_a_mismatch():
+    per_rank = {r: ([_entry(1, 60), _entry(2, 60)], 1) for r in (0, 1, 2)}
+    per_rank[3] = ([_entry(1, 60), _entry(2, 60, dtype="BFloat16")], 1)
+    hang = judge(_files(per_rank))[0]
+    assert (hang.evidence["kind"], hang.evidence["culprit_ranks"]) == ("mismatch", [3]), hang.summary
+
+
+def test_dumps_asked_for_while_the_job_runs_are_not_a_hang():
+    files = _files({r: ([_entry(1, 60)], 1) for r in range(2)}, reason="requested")
+    hang = judge(files)[0]
+    assert hang.verdict == "pass", hang.summary
+    assert "requested" in hang.summary

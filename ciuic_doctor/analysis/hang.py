@@ -83,6 +83,9 @@ class Position:
     error: str | None = None
     history: list[tuple[str, str, str]] = field(default_factory=list)  # (op, site, sizes) per completed seq
     prev_sizes: Any = None  # sizes of the previous call from the same line (the wrapper's record)
+    reason: str | None = (
+        None  # why its own dump was made: no-progress / collective-error / terminated / requested
+    )
     last_step: int | None = None  # its last step record
     last_collective: str | None = (
         None  # its last Python collective (watch's record), for a rank seen by nobody
@@ -176,12 +179,8 @@ def positions(files: HangFiles) -> dict[int, Position]:
         dump = files.dumps.get(rank)
         threads = None
         if dump is not None and not dump.get("resumed_t"):
-            pos.source, pos.state, threads, pos.error = (
-                "watchdog",
-                "running",
-                dump.get("threads"),
-                dump.get("error"),
-            )
+            pos.source, pos.state, threads = "watchdog", "running", dump.get("threads")
+            pos.error, pos.reason = dump.get("error"), dump.get("reason")
             if rank in files.fr_entries:
                 failed = dump.get("reason") == "collective-error"
                 _fr_position(pos, files.fr_entries[rank], dump.get("pg_status") or {}, failed=failed)
@@ -291,6 +290,11 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
         return _verdict("mismatch", culprits, waiting, ref, why)
     if waiting and len(waiting) == len(pos):
         return _verdict("in-collective", [], waiting, ref, "every rank entered it and none completed")
+    if not waiting:  # nobody waits in a collective: a stall of the job itself (one process), or no hang
+        stalled = [p for p in pos.values() if p.reason == "no-progress"]
+        if stalled:
+            return _verdict("stall", stalled, [], None, "made no step for its hang-after seconds")
+        return _verdict("none", [], [], None, "no rank waits in a collective")
     unseen = [p for p in pos.values() if p.source == "none"]
     return _verdict("unknown", unseen, waiting, ref, "left no dump")
 
@@ -357,6 +361,10 @@ def judge(files: HangFiles) -> list[Finding]:
         ", ".join(f"rank {p.rank}" + (f" ({p.host})" if p.host else "") for p in culprits) or "no single rank"
     )
     summary = f"{result['kind']}: {who} {result['why']}"
+    if result["kind"] == "none":  # dumps asked for (SIGUSR1) or made on SIGTERM while the job ran
+        reasons = sorted({p.reason for p in pos.values() if p.reason})
+        why = ", ".join(reasons) or "no reason recorded"
+        summary = f"not hung when dumped ({why}): no rank waits in a collective"
     if culprits and culprits[0].frame:
         summary += f"; its own frame: {culprits[0].frame}"
     elif culprits and culprits[0].source == "none":  # no stack: the last things it recorded
@@ -389,7 +397,14 @@ def judge(files: HangFiles) -> list[Finding]:
     if evidence["culprit_hosts"]:
         where["hosts"] = evidence["culprit_hosts"]
     findings = [
-        Finding(probe=PROBE, check="hang", verdict="fail", summary=summary, evidence=evidence, where=where)
+        Finding(
+            probe=PROBE,
+            check="hang",
+            verdict="pass" if result["kind"] == "none" else "fail",
+            summary=summary,
+            evidence=evidence,
+            where=where,
+        )
     ]
     seen = [p.rank for p in pos.values() if p.source != "none"]
     findings.append(

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = run_script(argv)
     finally:
-        disarm()  # issue 16
+        disarm(code)  # issue 16
         session.close()
         if session.rank == 0:
             status = "finished" if code == 0 else "failed"

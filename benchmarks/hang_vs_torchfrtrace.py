@@ -13,6 +13,7 @@ judgement is shown too.
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -22,27 +23,24 @@ from ciuic_doctor.analysis.hang import judge
 from ciuic_doctor.hang_files import load
 from ciuic_doctor.store import RunDir
 
+_JUDGEMENT = re.compile(
+    r"Not all ranks|missing ranks|sequence number|^collective:|input sizes|Culprit|[Mm]ismatch|cannot decide"
+)
+
 
 def torchfrtrace(folder: Path) -> str:
+    """What torchfrtrace concludes: its error line, or the lines that carry its judgement (each once)."""
     if not folder.is_dir() or not any(folder.iterdir()):
         return "no Flight Recorder dump to read (every rank died before dumping)"
+    command = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.flight_recorder.fr_trace",
-            str(folder),
-            "--allow-incomplete-ranks",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        [*command, "--allow-incomplete-ranks"], capture_output=True, text=True, timeout=300, check=False
     )
-    lines = [
-        line for line in (done.stdout + done.stderr).splitlines() if line.strip() and "tabulate" not in line
-    ]
-    return "\n    ".join(lines[-8:]) or "(no output)"
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    if done.returncode != 0:
+        return f"exit {done.returncode}: {lines[-1] if lines else 'no output'}"
+    said = [line for line in dict.fromkeys(lines) if _JUDGEMENT.search(line)]
+    return "\n    ".join(said[:6]) or "(no judgement printed)"
 
 
 def patched_copy(folder: Path, into: Path) -> Path:

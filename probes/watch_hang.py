@@ -36,13 +36,12 @@ import statistics
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from ciuic_doctor.probes.watch_hang_where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.store import RunDir
 
 FR_BUFFER_DEFAULT = 2000  # entries per rank; torch 2.13 defaults to 2000 too (measured), older ones to 0
@@ -103,46 +102,6 @@ def fr_status() -> dict[str, Any] | None:
     return dump.get("pg_status") or {}
 
 
-_OWN = (
-    str(Path(__file__).resolve().parent),
-    str(Path(__file__).resolve().parents[1] / "ciuic_doctor"),
-    "logging",
-)
-
-
-def thread_stacks() -> list[dict[str, Any]]:
-    """Every Python thread's stack, innermost frame first (the order Flight Recorder's frames use).
-
-    The dump's own frames (this module, the logging call that carried a collective's error) are left
-    off the top of the dumping thread's stack: the frame below them is where that thread really is.
-    """
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    stacks = []
-    for ident, frame in sys._current_frames().items():
-        frames = [
-            {"file": f.filename, "line": f.lineno, "function": f.name}
-            for f in reversed(traceback.extract_stack(frame))
-        ]
-        while len(frames) > 1 and any(own in frames[0]["file"] for own in _OWN):
-            frames.pop(0)
-        stacks.append(
-            {"thread_id": ident, "name": names.get(ident, "?"), "main": ident == main, "frames": frames}
-        )
-    stacks.sort(key=lambda s: not s["main"])
-    return stacks
-
-
-def format_stacks(stacks: list[dict[str, Any]]) -> str:
-    """Stacks as faulthandler prints them: most recent call first."""
-    lines = []
-    for stack in stacks:
-        lines.append(f"Thread {stack['thread_id']} ({stack['name']}{', main' if stack.get('main') else ''}):")
-        lines += [f'  File "{f["file"]}", line {f["line"]} in {f["function"]}' for f in stack["frames"]]
-        lines.append("")
-    return "\n".join(lines)
-
-
 class HangWatchdog:
     """One rank's watchdog thread plus its three triggers (no progress, a collective error, SIGUSR1)."""
 
@@ -165,6 +124,8 @@ class HangWatchdog:
         self._thread = threading.Thread(target=self._loop, name="ciuic-hang-watchdog", daemon=True)
         self._undo: list[Callable[[], None]] = []
         self._wake_r: socket.socket | None = None
+        self._pid = os.getpid()
+        self._faulthandler_ours = False
         self._dumping = False
         self._terminating = False
         self._term_pending = False
@@ -177,7 +138,36 @@ class HangWatchdog:
         self._install_error_hook()
         self._install_last_collective()
         self._install_signals()
+        os.register_at_fork(
+            before=self._before_fork, after_in_parent=self._after_fork, after_in_child=self._disarm_in_child
+        )
         self._thread.start()
+
+    def _before_fork(self) -> None:
+        """No wake-up fd across a fork: a signal the child gets before it is disarmed would otherwise be
+        written into the socket the rank's watchdog reads (and read as the rank's own)."""
+        if self._wake_r is not None and not self._stop.is_set():
+            with contextlib.suppress(ValueError):  # fork() from another thread: keep it
+                signal.set_wakeup_fd(-1)
+
+    def _after_fork(self) -> None:
+        if self._wake_r is not None and not self._stop.is_set():
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+
+    def _disarm_in_child(self) -> None:
+        """A forked child (a DataLoader worker) inherits the signal handlers, the wake-up socket and
+        faulthandler's file, not the thread: without this, SIGTERM to the worker (torchrun signals the
+        whole process group) would write a dump in the rank's name and wake the rank's watchdog."""
+        if self._pid != os.getpid() and not self._stop.is_set():
+            self._stop.set()
+            # The handlers stay: a SIGTERM that arrived before this ran is already pending for ours, and
+            # resetting to SIG_DFL now would drop it; ours sees the other PID and dies of SIGTERM instead.
+            with contextlib.suppress(Exception):
+                if threading.current_thread() is threading.main_thread():
+                    signal.set_wakeup_fd(-1)
+                if self._faulthandler_ours:
+                    faulthandler.disable()
 
     def stop(self, exit_code: int | None = None) -> None:
         """Disarm. A stall dumped earlier in a script that then exited 0 was a long pause (a final save,
@@ -201,7 +191,7 @@ class HangWatchdog:
                 "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                 "host": self.host,
                 "pid": os.getpid(),
-                "start_ticks": _start_ticks(os.getpid()),
+                "start_ticks": start_ticks(os.getpid()),
                 "hang_after_s": self.config.hang_after_s,
                 "fr_buffer": int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0),
             },
@@ -212,6 +202,7 @@ class HangWatchdog:
             return
         fatal = open(self.run.path / f"hang.rank{self.rank}.fatal.txt", "w")  # noqa: SIM115 - kept open
         faulthandler.enable(file=fatal, all_threads=True)
+        self._faulthandler_ours = True
 
         def undo() -> None:
             faulthandler.disable()
@@ -268,7 +259,7 @@ class HangWatchdog:
             signal.set_wakeup_fd(old_fd)
             signal.signal(signal.SIGUSR1, lambda signum, frame: self._request())
         else:
-            self._wake_r = read
+            self._wake_r, self._wake_w = read, write
 
         def undo() -> None:
             if old_fd == -1:
@@ -285,6 +276,10 @@ class HangWatchdog:
 
     def _on_term(self, *, main_thread: bool) -> None:
         """Dump once, then die of SIGTERM as the process would have without us."""
+        if self._pid != os.getpid():  # a forked child whose handler is not reset yet: die as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if self._terminating:
             return
         self._terminating = True
@@ -369,6 +364,8 @@ class HangWatchdog:
     # ---- dumping --------------------------------------------------------------------------------
     def dump(self, reason: str, **fields: Any) -> None:
         """Write this rank's dump; never raises (a failing dump is one line on stderr)."""
+        if self._pid != os.getpid():
+            return
         if reason == "collective-error":
             if self._error_dump:
                 return
@@ -453,47 +450,3 @@ def _pg_timeout_s() -> float | None:
     dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
     timeouts = [e["timeout_ms"] for e in dump.get("entries", []) if e.get("timeout_ms")]
     return timeouts[-1] / 1000 if timeouts else None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time in clock ticks (/proc/PID/stat field 22): tells a reused PID apart."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-_STATES = {"R": "running", "S": "sleeping", "D": "disk-wait", "T": "stopped", "t": "stopped", "Z": "exited"}
-
-
-def process_state(pid: int, start_ticks: int | None = None) -> str:
-    """running / sleeping / disk-wait / stopped (SIGSTOP, a debugger) / exited (a zombie) / gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    fields = stat.rsplit(")", 1)[1].split()
-    if start_ticks is not None and fields[19] != str(start_ticks):
-        return "gone"  # the PID was reused
-    return _STATES.get(fields[0], fields[0])
-
-
-def peer_states(run: RunDir, rank: int, host: str) -> list[dict[str, Any]]:
-    """The other armed ranks on this host, as the kernel sees them now; a stopped one gets py-spy's stack
-    (it cannot dump its own)."""
-    from ciuic_doctor.hang_files import py_spy_stacks
-
-    peers = []
-    for path in sorted(run.path.glob("hang.rank*.armed.json")):
-        try:
-            armed = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if armed.get("rank") == rank or armed.get("host") != host:
-            continue
-        state = process_state(armed["pid"], armed.get("start_ticks"))
-        peer: dict[str, Any] = {"rank": armed["rank"], "pid": armed["pid"], "state": state}
-        if state == "stopped":
-            peer["threads"], peer["py_spy_error"] = py_spy_stacks(armed["pid"])
-        peers.append(peer)
-    return peers

@@ -326,3 +326,26 @@ def test_dumps_asked_for_while_the_job_runs_are_not_a_hang():
     hang = judge(files)[0]
     assert hang.verdict == "pass", hang.summary
     assert "requested" in hang.summary
+
+
+def test_a_forked_child_sigtermed_leaves_the_rank_alone(tmp_path):
+    """A DataLoader-style forked worker inherits the signal handlers: SIGTERM to it must kill it as
+    before, and write no dump in the rank's name, nor wake the rank's watchdog. (A SIGTERM in the
+    microseconds between fork() and Python's after-fork reset is lost, as with any Python SIGTERM handler.)"""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import multiprocessing as mp, os, signal, time, torch\n"
+        "model = torch.nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "def step():\n    model(torch.ones(1, 2)).sum().backward(); opt.step()\n"
+        "step()\n"
+        "child = mp.get_context('fork').Process(target=time.sleep, args=(60,)); child.start()\n"
+        "time.sleep(0.5); os.kill(child.pid, signal.SIGTERM); child.join(30)\n"
+        "time.sleep(1.5); step()\n"
+        "print('child exitcode', child.exitcode)\n"
+    )
+    run = tmp_path / "run"
+    done = run_cli("watch", "--out", str(run), "--", str(script), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "child exitcode -15" in done.stdout
+    assert not (run / "hang.rank0.json").exists()
+    assert (run / "hang.rank0.armed.json").exists()

@@ -32,6 +32,7 @@ from ciuic_doctor.probes.watch_hang_where import process_state
 from ciuic_doctor.store import RunDir, default_run_path
 
 _FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")
+SECOND_LOOK_S = 2.0  # a rank whose main thread is where it was 2 s ago is stuck there
 _FR_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 NCCL_DEFAULT_PREFIX = "/tmp/nccl_trace_rank_"  # ProcessGroupNCCL's dump when neither variable is set
 
@@ -76,6 +77,7 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
         "host": socket.gethostname(),
         "ranks": {},
     }
+    first_looks: dict[int, Any] = {}
     for rank, proc in ranks.items():
         entry: dict[str, Any] = {
             "pid": proc.pid,
@@ -84,10 +86,18 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
         }
         if rank not in answered:
             entry["threads"], entry["error"] = py_spy_stacks(proc.pid)
+            first_looks[rank] = entry["threads"]
         if fr := _copy_flight_recorder(proc, rank, run.path):
             entry["fr_file"] = fr
             entry["pg_status"] = fr_status_of(run.path / fr)
         record["ranks"][str(rank)] = entry
+    if first_looks:  # one look can catch a healthy rank between two collectives: look again
+        time.sleep(SECOND_LOOK_S)
+        for rank, first in first_looks.items():
+            again, _ = py_spy_stacks(ranks[rank].pid)
+            entry = record["ranks"][str(rank)]
+            entry["moving"] = _main(first) != _main(again)
+            entry["threads"] = again or first
     run.write_json("hang.pyspy.json", record)
     refused = [e["error"] for e in record["ranks"].values() if e.get("error")]
     if refused and len(refused) == len(ranks) and not answered:
@@ -131,3 +141,11 @@ def _same_owner(path: str, proc: psutil.Process) -> bool:
         return os.stat(path).st_uid == proc.uids().real
     except (OSError, psutil.Error):
         return False
+
+
+def _main(threads: list[dict[str, Any]] | None) -> list[Any]:
+    """The main thread's frames (file, line, function), to compare two looks."""
+    for thread in threads or []:
+        if thread.get("main"):
+            return [(f.get("file"), f.get("line"), f.get("function")) for f in thread.get("frames", [])]
+    return []

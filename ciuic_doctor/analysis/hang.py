@@ -83,13 +83,11 @@ class Position:
     error: str | None = None
     history: list[tuple[str, str, str]] = field(default_factory=list)  # (op, site, sizes) per completed seq
     prev_sizes: Any = None  # sizes of the previous call from the same line (the wrapper's record)
-    reason: str | None = (
-        None  # why its own dump was made: no-progress / collective-error / terminated / requested
-    )
+    # why its own dump was made: no-progress / collective-error / terminated / requested
+    reason: str | None = None
+    moving: bool = False  # py-spy's two looks found it elsewhere: making progress, not stuck
     last_step: int | None = None  # its last step record
-    last_collective: str | None = (
-        None  # its last Python collective (watch's record), for a rank seen by nobody
-    )
+    last_collective: str | None = None  # its last Python collective (watch's record), if nobody saw it
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -190,6 +188,7 @@ def positions(files: HangFiles) -> dict[int, Position]:
         elif rank in files.py_spy and files.py_spy[rank].get("threads"):
             seen = files.py_spy[rank]
             pos.source, pos.state, threads = "py-spy", seen.get("state"), seen["threads"]
+            pos.moving = bool(seen.get("moving"))
             if rank in files.fr_entries:  # the job's own Flight Recorder dump, found by `hang --pid`
                 _fr_position(pos, files.fr_entries[rank], seen.get("pg_status") or {}, failed=False)
         elif rank in seen_by_peers:
@@ -246,6 +245,9 @@ def _expected(history: list[tuple[str, str, str]], seq: int | None) -> tuple[str
 
 def classify(pos: dict[int, Position]) -> dict[str, Any]:
     """{kind, culprits, waiting, collective, reason} from the ranks' positions."""
+    for p in pos.values():  # a rank seen moving is not where it waits: no position to judge by
+        if p.moving:
+            p.in_collective, p.state = None, "moving"
     waiting = [p for p in pos.values() if p.in_collective]
     ref = max((p for p in waiting if p.seq is not None), key=lambda p: p.seq or 0, default=None)
     ref = ref or (waiting[0] if waiting else None)

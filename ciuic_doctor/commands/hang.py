@@ -9,7 +9,8 @@ and every thread's stack) when no step and no collective completed for --hang-af
 collective fails. `kill -USR1 <rank pid>` asks one rank for the same dump at any time.
 
 --pid asks every watched rank below PID for a dump (SIGUSR1) and takes every other rank's Python stack
-with py-spy (`pip install 'ciuic-doctor[hang]'`; it needs ptrace permission on the ranks), plus the
+with py-spy (`pip install 'ciuic-doctor[hang]'`; it needs ptrace permission on the ranks; two looks 2 s
+apart: a rank still moving is not judged stuck), plus the
 Flight Recorder dumps the job wrote where its TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE
 point. Then it judges, as `hang RUN` does: the culprit rank(s) and host, the collective the others wait
 in (op, sequence number, sizes, dtype, process group, call site), the kind of hang (desync, stall,

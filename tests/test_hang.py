@@ -165,7 +165,7 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
         _wait_for(run / "hang.rank0.json", 60)
         finding = _hang(run)
         asked_at = time.time()
-        done = run_cli("hang", "--pid", str(proc.pid), "--wait", "5", "--json", timeout=120)
+        done = run_cli("hang", "--pid", str(proc.pid), "--wait", "2", "--json", timeout=120)
     finally:
         _kill_tree(proc)
     ev = finding["evidence"]

@@ -117,38 +117,38 @@ def test_rank_stuck_in_data_loading_of_4_is_a_stall_at_its_own_frame(tmp_path):
     _within_bar(run)
 
 
+def _judged(tmp_path: Path, mode: str, kind: str) -> tuple[dict, dict]:
+    """Run `mode` until torchrun ends it; the finding must be `kind` with rank 1 the culprit, in time."""
+    run = hung_job(tmp_path, mode)
+    finding = _hang(run)
+    assert (finding["evidence"]["kind"], finding["evidence"]["culprit_ranks"]) == (kind, [1]), finding[
+        "summary"
+    ]
+    _within_bar(run)
+    return finding, finding["evidence"]
+
+
 @pytest.mark.slow
 def test_rank_that_skips_an_all_reduce_is_a_desync(tmp_path):
-    run = hung_job(tmp_path, "skip")
-    finding = _hang(run)
-    ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"]) == ("desync", [1]), finding["summary"]
+    _, ev = _judged(tmp_path, "skip", "desync")
     assert LOSS_LINE in ev["culprit_frame"]  # rank 1 is already in the next collective
     assert GRAD_LINE in ev["collective"]["call_site"]
-    _within_bar(run)
 
 
 @pytest.mark.slow
 def test_rank_that_all_reduces_a_different_size_is_a_mismatch(tmp_path):
-    run = hung_job(tmp_path, "size")
-    finding = _hang(run)
-    ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"]) == ("mismatch", [1]), finding["summary"]
+    finding, ev = _judged(tmp_path, "size", "mismatch")
     assert "[[69]]" in finding["summary"], finding["summary"]
     assert "[[68]]" in finding["summary"], finding["summary"]
     assert GRAD_LINE in ev["culprit_frame"]
-    _within_bar(run)
 
 
 @pytest.mark.slow
 def test_rank_killed_with_sigkill_is_dead(tmp_path):
-    run = hung_job(tmp_path, "kill")
-    finding = _hang(run)
-    ev = finding["evidence"]
-    assert (ev["kind"], ev["culprit_ranks"], ev["waiting_ranks"]) == ("dead", [1], [0]), finding["summary"]
+    finding, ev = _judged(tmp_path, "kill", "dead")
+    assert ev["waiting_ranks"] == [0]
     assert GRAD_LINE in ev["collective"]["call_site"]
     assert "its last step record: step 3" in finding["summary"]  # killed in step 4's load_batch
-    _within_bar(run)
 
 
 @pytest.mark.slow

@@ -193,10 +193,19 @@ class Checkup:
         result = build_report(self.run, spec_path=args.spec, analyze=True, baseline=baseline)
         self.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
         total_s = round(time.perf_counter() - started, 2)
-        self.run.update_meta(checkup={"phases": [asdict(p) for p in self.phases], "seconds": total_s})
+        from ciuic_doctor.hang_files import has_hang_dumps
+
+        # Did the job hang (issue 16): a rank dumped hang files, or the job phase ran out of time.
+        hung = has_hang_dumps(self.run.path) or any(
+            p.name == "job" and p.status == "timeout" for p in self.phases
+        )
+        phases = [asdict(p) for p in self.phases]
+        self.run.update_meta(checkup={"phases": phases, "seconds": total_s, "hung": hung})
         self.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
         print()
         print(result.summary)
+        if hung:
+            print(f"the job hung: `ciuic-doctor hang {self.run.path}` says which rank, where and why")
         if baseline is not None:
             from ciuic_doctor.compare import summary_lines
 

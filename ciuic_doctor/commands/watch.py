@@ -77,6 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not attach watch to the ranks the script starts itself (mp.spawn, a re-run of its argv)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a rank started by one
+    # issue 16 (hang doctor): the watchdog's two settings; the code is in probes/watch_hang.py
+    parser.add_argument(
+        "--hang-after",
+        type=positive_float,
+        metavar="S",
+        help="seconds without an optimizer step or a completed collective that count as a hang: dump "
+        "RUN/hang.rank<R>.* (default: 20 median steps, at least 30 s, at most 0.8 x the process-group "
+        "timeout)",
+    )
+    parser.add_argument(
+        "--fr-buffer",
+        type=positive_int,
+        default=2000,
+        metavar="N",
+        help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -128,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
 
     undo_exit = watch_exit.install(on_abrupt_end)
     code, status = 1, "failed"
+    from ciuic_doctor.probes.watch_hang import HangConfig, arm  # issue 16: before the script's process group
+
+    disarm = arm(session, HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer))  # issue 16
     try:
         code = run_script(argv)
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
@@ -136,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         undo_exit()
+        disarm(code)  # issue 16
         session.close()
         watch_observe.write_meta()  # issue 14: the final `observed`, every step record flushed
         report(status, code)

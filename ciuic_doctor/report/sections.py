@@ -374,4 +374,6 @@ def build_sections(
             checkpoint_content(section, streams["checkpoint"], section.findings)
         else:
             generic_content(section, streams.get(section.streams[0], []))
-    return sections
+    from ciuic_doctor.report.hang_section import hang_sections  # issue 16: only when the job hung
+
+    return sections + hang_sections(findings)  # issue 16

@@ -1,0 +1,151 @@
+"""`ciuic-doctor hang --pid`: gather every rank's position in a running (hung) job, watched or not.
+
+For each rank below PID (torchrun agent, or the rank itself; roles as memwatch names them):
+- watched by `ciuic-doctor watch` (it keeps RUN/hang.rank<R>.fatal.txt open): SIGUSR1, then wait for
+  its own dump (Flight Recorder + stacks) to appear;
+- otherwise, or when it does not answer (stopped, or its watchdog cannot run): py-spy's stacks;
+- Flight Recorder dumps the job wrote itself (NCCL's dump on timeout) where the rank's environment's
+  TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE point: copied into RUN/hang.fr/rank<R>.
+
+Everything goes into one run directory: hang.pyspy.json (ranks, pids, states, stacks) plus the copies.
+Standard library and psutil only: no torch here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ciuic_doctor.errors import UserError
+from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
+from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach
+from ciuic_doctor.probes.watch_hang_where import process_state
+from ciuic_doctor.store import RunDir, default_run_path
+
+_FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")
+SECOND_LOOK_S = 2.0  # a rank whose main thread is where it was 2 s ago is stuck there
+_FR_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+NCCL_DEFAULT_PREFIX = "/tmp/nccl_trace_rank_"  # ProcessGroupNCCL's dump when neither variable is set
+
+
+def find_ranks(pid: int) -> dict[int, psutil.Process]:
+    """rank -> process, for the job at `pid` (an agent or a rank). A UserError when there is none."""
+    tree = ProcessTree(attach(pid))
+    tree.refresh()
+    ranks = {
+        role.rank: tree.procs[p]
+        for p, role in tree.roles.items()
+        if role.rank is not None and role.role.startswith("rank ")
+    }
+    if not ranks:
+        raise UserError(f"PID {pid}: no training rank found in its process tree")
+    return dict(sorted(ranks.items()))
+
+
+def watched_run(proc: psutil.Process) -> Path | None:
+    """The run directory a watched rank writes into (the fatal-stack file watch keeps open there)."""
+    with contextlib.suppress(psutil.Error):
+        for f in proc.open_files():
+            if _FATAL.search(f.path):
+                return Path(f.path).parent
+    return None
+
+
+def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
+    """Ask, wait, py-spy, copy: the run directory holding every rank's position."""
+    ranks = find_ranks(pid)
+    watched = {rank: run for rank, proc in ranks.items() if (run := watched_run(proc)) is not None}
+    run = RunDir.create(out or next(iter(watched.values()), None) or default_run_path("hang"))
+    asked = time.time()
+    for rank in watched:
+        with contextlib.suppress(psutil.Error):
+            ranks[rank].send_signal(signal.SIGUSR1)
+    answered = _wait_for_dumps(run.path, set(watched), since=asked, wait_s=wait_s) if watched else set()
+    record: dict[str, Any] = {
+        "schema": 1,
+        "t": time.time(),
+        "pid": pid,
+        "host": socket.gethostname(),
+        "ranks": {},
+    }
+    first_looks: dict[int, Any] = {}
+    for rank, proc in ranks.items():
+        entry: dict[str, Any] = {
+            "pid": proc.pid,
+            "state": process_state(proc.pid),
+            "watched": rank in watched,
+        }
+        if rank not in answered:
+            entry["threads"], entry["error"] = py_spy_stacks(proc.pid)
+            first_looks[rank] = entry["threads"]
+        if fr := _copy_flight_recorder(proc, rank, run.path):
+            entry["fr_file"] = fr
+            entry["pg_status"] = fr_status_of(run.path / fr)
+        record["ranks"][str(rank)] = entry
+    if first_looks:  # one look can catch a healthy rank between two collectives: look again
+        time.sleep(SECOND_LOOK_S)
+        for rank, first in first_looks.items():
+            again, _ = py_spy_stacks(ranks[rank].pid)
+            entry = record["ranks"][str(rank)]
+            entry["moving"] = _main(first) != _main(again)
+            entry["threads"] = again or first
+    run.write_json("hang.pyspy.json", record)
+    refused = [e["error"] for e in record["ranks"].values() if e.get("error")]
+    if refused and len(refused) == len(ranks) and not answered:
+        raise UserError(refused[0])
+    return run
+
+
+def _wait_for_dumps(path: Path, ranks: set[int], *, since: float, wait_s: float) -> set[int]:
+    deadline = time.monotonic() + wait_s
+    done: set[int] = set()
+    while time.monotonic() < deadline and done != ranks:
+        for rank in ranks - done:
+            dump = path / f"hang.rank{rank}.json"
+            with contextlib.suppress(OSError):
+                if dump.stat().st_mtime >= since - 1:
+                    done.add(rank)
+        time.sleep(0.2)
+    return done
+
+
+def _copy_flight_recorder(proc: psutil.Process, rank: int, run_path: Path) -> str | None:
+    """NCCL's own Flight Recorder dump of `rank` (file `<prefix><rank>`), copied next to ours."""
+    try:
+        env = proc.environ()
+    except psutil.Error:
+        return None
+    for name in _FR_ENV:
+        prefix = env.get(name, NCCL_DEFAULT_PREFIX if name == _FR_ENV[-1] else None)
+        # a pickle: only one the rank's own user wrote (/tmp is shared) is read
+        if prefix and os.path.isfile(f"{prefix}{rank}") and _same_owner(f"{prefix}{rank}", proc):
+            (run_path / "hang.fr").mkdir(exist_ok=True)
+            target = run_path / "hang.fr" / f"rank{rank}"
+            if not target.exists():
+                shutil.copyfile(f"{prefix}{rank}", target)
+            return f"hang.fr/rank{rank}"
+    return None
+
+
+def _same_owner(path: str, proc: psutil.Process) -> bool:
+    try:
+        return os.stat(path).st_uid == proc.uids().real
+    except (OSError, psutil.Error):
+        return False
+
+
+def _main(threads: list[dict[str, Any]] | None) -> list[Any]:
+    """The main thread's frames (file, line, function), to compare two looks."""
+    for thread in threads or []:
+        if thread.get("main"):
+            return [(f.get("file"), f.get("line"), f.get("function")) for f in thread.get("frames", [])]
+    return []

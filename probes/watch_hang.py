@@ -1,0 +1,452 @@
+"""The hang watchdog of one rank under `ciuic-doctor watch`: when the job stops, dump where and why, once.
+
+A thread per rank watches two cheap signs of life: the time of the last optimizer step (a listener on the
+watch session's records) and the count of completed collectives in Flight Recorder's per-group status
+(`_dump_fr_trace` without entries: ~0.1 ms, polled every 0.5 s off the training thread). When neither moved
+for `hang_after_s`, or when a collective raises (a timeout, a peer that reset the connection), it writes
+
+    RUN/hang.rank<R>.json        why, when, the last step, Flight Recorder's group status, every thread's
+                                 Python stack, and the state of the other ranks on this host
+    RUN/hang.rank<R>.stacks.txt  the same stacks, as a person reads them
+    RUN/hang.fr/rank<R>          Flight Recorder's own dump (torch's pickle, the file torchfrtrace reads)
+    RUN/hang.rank<R>.last.json   the last Python collective issued (watch_hang_last: for a rank gloo aborts)
+
+once per stall, without stopping the job. `kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends)
+asks for the same dump at any time; it is read by this thread through a wake-up socket, so it works while
+the main thread is blocked inside a collective. A fatal signal (gloo aborts a rank that receives a
+different size than it expects) leaves faulthandler's stacks in RUN/hang.rank<R>.fatal.txt.
+
+    >>> default_hang_after(step_times_s=[0.5] * 10, pg_timeout_s=600.0)
+    30.0
+    >>> default_hang_after(step_times_s=[40.0] * 10, pg_timeout_s=600.0)
+    480.0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ciuic_doctor.probes.watch_hang_where import format_stacks, peer_states, start_ticks, thread_stacks
+from ciuic_doctor.store import RunDir
+
+FR_BUFFER_DEFAULT = 2000  # entries per rank; torch 2.13 defaults to 2000 too (measured), older ones to 0
+HANG_STEP_MULTIPLE = 20  # a stall is this many median steps without progress ...
+HANG_FLOOR_S = 30.0  # ... but never less: a checkpoint save or an eval pass is not a hang
+PG_TIMEOUT_FRACTION = 0.8  # ... and never above the process-group timeout: dump while every rank still waits
+DEFAULT_PG_TIMEOUT_S = 1800.0  # torch.distributed.constants.default_pg_timeout (gloo; NCCL's is 600 s)
+POLL_S = 0.5
+PEER_SETTLE_S = 0.5
+
+
+@dataclass(kw_only=True)
+class HangConfig:
+    hang_after_s: float | None = None  # None: HANG_STEP_MULTIPLE x the run's median step, see above
+    fr_buffer: int = FR_BUFFER_DEFAULT
+    poll_s: float = POLL_S
+
+
+def arm_flight_recorder(buffer: int = FR_BUFFER_DEFAULT) -> None:
+    """Turn Flight Recorder on for the process groups this process creates from now on.
+
+    torch reads TORCH_FR_BUFFER_SIZE when a process group is created, so this must run before the
+    script's init_process_group; a value the user exported already wins.
+    """
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer))
+
+
+def default_hang_after(*, step_times_s: list[float], pg_timeout_s: float | None) -> float:
+    """Seconds without progress that count as a hang: 20 median steps, at least 30 s, at most 0.8 x the
+    process-group timeout (the cap wins over the floor: with a 10 s timeout, a hang is 8 s)."""
+    cap = PG_TIMEOUT_FRACTION * (pg_timeout_s or DEFAULT_PG_TIMEOUT_S)
+    if not step_times_s:
+        return cap
+    return min(cap, max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * statistics.median(step_times_s)))
+
+
+def arm(session: Any, config: HangConfig | None = None) -> Callable[..., None]:
+    """Start the watchdog for `session` (a probes.watch.WatchSession); returns `stop(exit_code=None)`."""
+    config = config or HangConfig()
+    arm_flight_recorder(config.fr_buffer)
+    watchdog = HangWatchdog(run=session.run, rank=session.rank, config=config)
+    session.add_listener(watchdog.on_step)
+    watchdog.start()
+    return watchdog.stop
+
+
+def fr_status() -> dict[str, Any] | None:
+    """Flight Recorder's per-group counters ({pg: {last_enqueued_collective, last_completed_collective}})."""
+    import pickle
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dump = pickle.loads(_dump_fr_trace(includeCollectives=False, includeStackTraces=False, onlyActive=False))
+    return dump.get("pg_status") or {}
+
+
+class HangWatchdog:
+    """One rank's watchdog thread plus its three triggers (no progress, a collective error, SIGUSR1)."""
+
+    def __init__(self, *, run: RunDir, rank: int, config: HangConfig) -> None:
+        self.run = run
+        self.rank = rank
+        self.config = config
+        self.host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._step: int | None = None
+        self._step_times: deque[float] = deque(maxlen=50)
+        self._progress_t = time.monotonic()
+        self._completed = 0
+        self._started = False  # no judging before the first step or collective (start-up is not a hang)
+        self._stalled_dump = False  # a no-progress dump was made for the current stall
+        self._resume_pending = False
+        self._error_dump = False
+        self._pg_timeout_s: float | None = None
+        self._thread = threading.Thread(target=self._loop, name="ciuic-hang-watchdog", daemon=True)
+        self._undo: list[Callable[[], None]] = []
+        self._wake_r: socket.socket | None = None
+        self._pid = os.getpid()
+        self._faulthandler_ours = False
+        self._dumping = False
+        self._terminating = False
+        self._term_pending = False
+
+    # ---- installing -----------------------------------------------------------------------------
+    def start(self) -> None:
+        (self.run.path / "hang.fr").mkdir(exist_ok=True)
+        self._write_armed()
+        self._install_fatal()
+        self._install_error_hook()
+        self._install_last_collective()
+        self._install_signals()
+        os.register_at_fork(
+            before=self._before_fork, after_in_parent=self._after_fork, after_in_child=self._disarm_in_child
+        )
+        self._thread.start()
+
+    def _before_fork(self) -> None:
+        """No wake-up fd across a fork: a signal the child gets before it is disarmed would otherwise be
+        written into the socket the rank's watchdog reads (and read as the rank's own)."""
+        if self._wake_r is not None and not self._stop.is_set():
+            with contextlib.suppress(ValueError):  # fork() from another thread: keep it
+                signal.set_wakeup_fd(-1)
+
+    def _after_fork(self) -> None:
+        if self._wake_r is not None and not self._stop.is_set():
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+
+    def _disarm_in_child(self) -> None:
+        """A forked child (a DataLoader worker) inherits the signal handlers, the wake-up socket and
+        faulthandler's file, not the thread: without this, SIGTERM to the worker (torchrun signals the
+        whole process group) would write a dump in the rank's name and wake the rank's watchdog."""
+        if self._pid != os.getpid() and not self._stop.is_set():
+            self._stop.set()
+            # The handlers stay: a SIGTERM that arrived before this ran is already pending for ours, and
+            # resetting to SIG_DFL now would drop it; ours sees the other PID and dies of SIGTERM instead.
+            with contextlib.suppress(Exception):
+                if threading.current_thread() is threading.main_thread():
+                    signal.set_wakeup_fd(-1)
+                if self._faulthandler_ours:
+                    faulthandler.disable()
+
+    def stop(self, exit_code: int | None = None) -> None:
+        """Disarm. A stall dumped earlier in a script that then exited 0 was a long pause (a final save,
+        an evaluation), not a hang: it is marked resumed, so it is not judged as one."""
+        if exit_code == 0 and (self._stalled_dump or self._resume_pending):
+            self._stalled_dump = self._resume_pending = False
+            self._mark_resumed()
+        self._stop.set()
+        for undo in reversed(self._undo):
+            with contextlib.suppress(Exception):
+                undo()
+        self._undo.clear()
+
+    def _write_armed(self) -> None:
+        self.run.write_json(
+            f"hang.rank{self.rank}.armed.json",
+            {
+                "schema": 1,
+                "t": time.time(),
+                "rank": self.rank,
+                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "host": self.host,
+                "pid": os.getpid(),
+                "start_ticks": start_ticks(os.getpid()),
+                "hang_after_s": self.config.hang_after_s,
+                "fr_buffer": int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0),
+            },
+        )
+
+    def _install_fatal(self) -> None:
+        if faulthandler.is_enabled():  # the script's own faulthandler stays
+            return
+        fatal = open(self.run.path / f"hang.rank{self.rank}.fatal.txt", "w")  # noqa: SIM115 - kept open
+        faulthandler.enable(file=fatal, all_threads=True)
+        self._faulthandler_ours = True
+
+        def undo() -> None:
+            faulthandler.disable()
+            fatal.close()
+
+        self._undo.append(undo)
+
+    def _install_error_hook(self) -> None:
+        """torch logs every exception a c10d collective raises to its `c10d` logger before re-raising it
+        (c10d_logger._exception_logger): a handler there sees the error in the failing thread, in time."""
+        try:
+            from torch.distributed import c10d_logger
+        except ImportError:
+            return
+        watchdog = self
+
+        class _OnCollectiveError(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                msg = record.msg
+                if isinstance(msg, dict) and "error" in msg:
+                    watchdog.dump("collective-error", error=str(msg["error"]), function=msg.get("func_name"))
+
+        handler = _OnCollectiveError(level=logging.DEBUG)
+        logger = c10d_logger._c10d_logger
+        logger.addHandler(handler)
+        self._undo.append(lambda: logger.removeHandler(handler))
+
+    def _install_last_collective(self) -> None:
+        from ciuic_doctor.probes.watch_hang_last import install
+
+        self._undo.append(install(self.run.path / f"hang.rank{self.rank}.last.json"))
+
+    def _install_signals(self) -> None:
+        """SIGUSR1 asks for a dump; SIGTERM (torchrun stopping the others after one rank died) dumps first.
+
+        Python runs its signal handlers in the main thread, which may be blocked in a collective for
+        good. Its C-level handler also writes the signal number to the wake-up fd at once, from any
+        thread: the watchdog thread waits on that socket, so the dump happens either way.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        read, write = socket.socketpair()
+        read.setblocking(False)
+        write.setblocking(False)
+        previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+        previous_term = signal.getsignal(signal.SIGTERM)
+        if previous_term == signal.SIG_DFL:  # a script's own SIGTERM handler stays as it is
+            signal.signal(signal.SIGTERM, lambda signum, frame: self._on_term(main_thread=True))
+        try:
+            old_fd = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            old_fd = -1
+        if old_fd != -1:  # someone else's wake-up fd (asyncio): keep it, and take SIGUSR1 from Python
+            signal.set_wakeup_fd(old_fd)
+            signal.signal(signal.SIGUSR1, lambda signum, frame: self._request())
+        else:
+            self._wake_r, self._wake_w = read, write
+
+        def undo() -> None:
+            if old_fd == -1:
+                signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGUSR1, previous_usr1)
+            signal.signal(signal.SIGTERM, previous_term)
+            read.close()
+            write.close()
+
+        self._undo.append(undo)
+
+    def _request(self) -> None:
+        threading.Thread(target=self.dump, args=("requested",), daemon=True).start()
+
+    def _on_term(self, *, main_thread: bool) -> None:
+        """Dump once, then die of SIGTERM as the process would have without us."""
+        if self._pid != os.getpid():  # a forked child whose handler is not reset yet: die as before
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if self._terminating:
+            return
+        self._terminating = True
+        if self._dumping:  # the main thread was interrupted inside its own dump: finish it first
+            self._term_pending = True
+            return
+        self.dump("terminated")
+        self._die(main_thread=main_thread)
+
+    @staticmethod
+    def _die(*, main_thread: bool) -> None:
+        sys.stderr.flush()
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(128 + signal.SIGTERM)  # off the main thread the handler cannot be reset: exit code 143
+
+    # ---- watching -------------------------------------------------------------------------------
+    def on_step(self, record: dict[str, Any]) -> None:
+        """The session's listener: one assignment per step (watch's overhead goal is <= 1 % of a step)."""
+        self._step = record.get("step")
+        if record.get("step_time_s"):
+            self._step_times.append(record["step_time_s"])
+        self._progressed()
+
+    def _progressed(self) -> None:
+        self._progress_t = time.monotonic()
+        self._started = True
+        if self._stalled_dump:  # the stall ended: the watchdog thread notes it next to the dump (never
+            self._stalled_dump = False  # here: the training thread must not wait for a dump in progress)
+            self._resume_pending = True
+
+    def hang_after_s(self) -> float:
+        if self.config.hang_after_s is not None:
+            return self.config.hang_after_s
+        return default_hang_after(step_times_s=list(self._step_times), pg_timeout_s=self._pg_timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            signals = self._wait_for_signals(self.config.poll_s)
+            if signal.SIGTERM in signals:
+                self._on_term(main_thread=False)
+            if signal.SIGUSR1 in signals:
+                self.dump("requested")
+                continue
+            try:
+                self._poll()
+            except Exception as exc:  # never the user's training
+                print(f"ciuic-doctor watch: hang watchdog stopped: {exc!r}", file=sys.stderr)
+                return
+
+    def _wait_for_signals(self, timeout_s: float) -> bytes:
+        """The signal numbers Python's handler wrote to the wake-up socket within `timeout_s`."""
+        if self._wake_r is None:  # SIGUSR1 comes through the Python handler instead
+            self._stop.wait(timeout_s)
+            return b""
+        ready, _, _ = select.select([self._wake_r], [], [], timeout_s)
+        if not ready:
+            return b""
+        try:
+            return self._wake_r.recv(64)
+        except OSError:
+            return b""
+
+    def _poll(self) -> None:
+        if self._resume_pending:
+            self._resume_pending = False
+            self._mark_resumed()
+        status = fr_status()
+        if status:  # {} before the first collective: no news
+            completed = sum(max(0, int(s.get("last_completed_collective", -1))) for s in status.values())
+            if completed > self._completed:
+                if self._pg_timeout_s is None:
+                    self._pg_timeout_s = _pg_timeout_s()
+                self._completed = completed
+                self._progressed()
+        stalled_s = time.monotonic() - self._progress_t
+        if self._started and not self._stalled_dump and stalled_s > self.hang_after_s():
+            self._stalled_dump = True
+            self.dump("no-progress", stalled_s=stalled_s)
+
+    # ---- dumping --------------------------------------------------------------------------------
+    def dump(self, reason: str, **fields: Any) -> None:
+        """Write this rank's dump; never raises (a failing dump is one line on stderr)."""
+        if self._pid != os.getpid():
+            return
+        if reason == "collective-error":
+            if self._error_dump:
+                return
+            self._error_dump = True
+        with self._lock:
+            self._dumping = True
+            try:
+                self._dump(reason, **fields)
+            except Exception as exc:
+                print(f"ciuic-doctor watch: rank {self.rank}: hang dump failed: {exc!r}", file=sys.stderr)
+            finally:
+                self._dumping = False
+        if self._term_pending:
+            self._die(main_thread=threading.current_thread() is threading.main_thread())
+
+    def _dump(self, reason: str, **fields: Any) -> None:
+        t0 = time.perf_counter()
+        stacks = thread_stacks()  # first: where every thread is now, before the slow parts below
+        fr_file, status = self._write_flight_recorder()
+        if reason in ("collective-error", "terminated"):
+            time.sleep(PEER_SETTLE_S)  # a peer killed with -9 drops its sockets before the kernel reaps it
+        peers = peer_states(self.run, self.rank, self.host)
+        record = {
+            "schema": 1,
+            "t": time.time(),
+            "host": self.host,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "reason": reason,
+            **fields,
+            "hang_after_s": self.hang_after_s(),
+            "pg_timeout_s": self._pg_timeout_s,
+            "last_step": self._step,
+            "since_progress_s": time.monotonic() - self._progress_t,
+            "pg_status": status,
+            "fr_file": fr_file,
+            "threads": stacks,
+            "peers": peers,
+        }
+        record["dump_s"] = time.perf_counter() - t0
+        self.run.write_text(f"hang.rank{self.rank}.stacks.txt", format_stacks(stacks))
+        self.run.write_json(f"hang.rank{self.rank}.json", record)  # last: its presence means complete
+        print(
+            f"ciuic-doctor watch: rank {self.rank}: {reason}: hang dump in "
+            f"{self.run.path / f'hang.rank{self.rank}.json'}",
+            file=sys.stderr,
+        )
+
+    def _write_flight_recorder(self) -> tuple[str | None, dict[str, Any] | None]:
+        import pickle
+
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return None, None
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
+        (self.run.path / "hang.fr").mkdir(exist_ok=True)
+        name = f"hang.fr/rank{self.rank}"
+        target = self.run.path / name
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(raw)
+        os.replace(tmp, target)
+        return name, pickle.loads(raw).get("pg_status")
+
+    def _mark_resumed(self) -> None:
+        path = self.run.path / f"hang.rank{self.rank}.json"
+        with contextlib.suppress(OSError, ValueError), self._lock:
+            record = json.loads(path.read_text())
+            if record.get("reason") == "no-progress":
+                record["resumed_t"] = time.time()
+                self.run.write_json(path.name, record)
+
+
+def _pg_timeout_s() -> float | None:
+    """The default group's timeout, from Flight Recorder's own entries (each carries `timeout_ms`)."""
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+    timeouts = [e["timeout_ms"] for e in dump.get("entries", []) if e.get("timeout_ms")]
+    return timeouts[-1] / 1000 if timeouts else None

@@ -13,6 +13,10 @@ every `finally` and atexit handler, and are covered here:
   wakeup fd is taken (asyncio takes one): a script's own handler is never replaced. A forked child gets
   the default action back (it has no helper thread).
 
+The wakeup fd is one per process, so other parts of watch that must react to a signal while the main thread
+is blocked (the hang watchdog: SIGUSR1 asks for a dump, SIGTERM dumps before dying) listen through
+`on_signal` on this helper thread instead of taking the fd themselves.
+
     >>> import signal
     >>> exit_code_for(signal.SIGTERM)
     143
@@ -25,6 +29,25 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+
+_LISTENERS: dict[int, list[Callable[[], None]]] = {}  # signal number -> run on the helper thread
+_HELPER: dict[str, bool] = {"listening": False}
+
+
+def on_signal(signum: int, listener: Callable[[], None]) -> Callable[[], None] | None:
+    """Run `listener()` on the helper thread when `signum` arrives (for SIGTERM: before the process ends);
+    returns the undo, or None when no helper thread listens (the caller then handles the signal itself).
+    The caller sets a Python handler for `signum` (a no-op will do): the C-level handler writes the wakeup
+    fd only for signals that have one."""
+    if not _HELPER["listening"]:
+        return None
+    _LISTENERS.setdefault(signum, []).append(listener)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _LISTENERS.get(signum, []).remove(listener)
+
+    return remove
 
 
 def exit_code_for(signum: int) -> int:
@@ -85,14 +108,21 @@ def _watch_sigterm(
             if not data or stop.is_set():
                 os.close(read_fd)
                 return
+            for signum in data:
+                for listener in list(_LISTENERS.get(signum, ())):
+                    with contextlib.suppress(Exception):  # a listener's failure must not stop this thread
+                        listener()
             if signal.SIGTERM in data:
                 end_once("killed", exit_code_for(signal.SIGTERM))
                 exit_now(exit_code_for(signal.SIGTERM))
 
     thread = threading.Thread(target=wait_for_sigterm, name="ciuic-watch-sigterm", daemon=True)
     thread.start()
+    _HELPER["listening"] = True
 
     def reset_in_child() -> None:  # a fork has no helper thread: SIGTERM must kill it as before
+        _HELPER["listening"] = False
+        _LISTENERS.clear()
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
@@ -101,6 +131,7 @@ def _watch_sigterm(
 
     def remove() -> None:
         stop.set()
+        _HELPER["listening"] = False
         with contextlib.suppress(ValueError):
             if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -244,6 +244,8 @@ class HangWatchdog:
         """
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
+        if self._listen_through_watch_exit():
+            return
         read, write = socket.socketpair()
         read.setblocking(False)
         write.setblocking(False)
@@ -270,6 +272,34 @@ class HangWatchdog:
             write.close()
 
         self._undo.append(undo)
+
+    def _listen_through_watch_exit(self) -> bool:
+        """Under `ciuic-doctor watch` the process's one wakeup fd belongs to watch_exit's helper thread
+        (it records a SIGTERM death in meta.json): take SIGUSR1 and SIGTERM from that thread instead, so a
+        request still works while the main thread is blocked in a collective, and SIGTERM dumps first."""
+        from ciuic_doctor.probes import watch_exit
+
+        previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # the fd needs a handler
+        undo_usr1 = watch_exit.on_signal(signal.SIGUSR1, self._request)
+        if undo_usr1 is None:
+            signal.signal(signal.SIGUSR1, previous_usr1)
+            return False
+        undo_term = watch_exit.on_signal(signal.SIGTERM, self._on_term_listener)
+
+        def undo() -> None:
+            undo_usr1()
+            if undo_term is not None:
+                undo_term()
+            signal.signal(signal.SIGUSR1, previous_usr1)
+
+        self._undo.append(undo)
+        return True
+
+    def _on_term_listener(self) -> None:
+        """SIGTERM, on watch_exit's thread: dump once; watch_exit then records the end and exits 143."""
+        if self._pid == os.getpid() and not self._terminating:
+            self._terminating = True
+            self.dump("terminated")
 
     def _request(self) -> None:
         threading.Thread(target=self.dump, args=("requested",), daemon=True).start()

@@ -327,3 +327,28 @@ def test_engines_without_names_in_the_log_are_numbered(tmp_path):
     log, findings = judged(tmp_path, "anon.log", text)
     assert log.series_names == ["engine 0", "engine 1"]
     assert "engine 0: " in one(findings, "loss_scaler").summary
+
+
+def test_each_optimizer_of_a_watched_script_is_its_own_series(tmp_path):
+    """watch records a step per optimizer (a GAN's D at loss ~0.7 and G at ~2.5, issue 13): merged into one
+    curve they would alternate 3.6x every step; judged apart, only G's one-step spike at 120 is found."""
+    from ciuic_doctor.analysis import stability
+    from ciuic_doctor.store import RunDir
+
+    rng = np.random.default_rng(0)
+    run = RunDir.create(tmp_path / "gan")
+    with run.writer("steps", rank=0, per_rank_file=True) as steps:
+        for step in range(1, 201):
+            for optimizer, level in enumerate((0.7, 2.5)):
+                loss = level * (1 + 0.05 * rng.standard_normal()) + (
+                    20.0 if (optimizer, step) == (1, 120) else 0
+                )
+                steps.write(
+                    {"step": step, "loss": loss, "lr": 2e-4, "grad_norm": 1.0, "optimizer": optimizer}
+                )
+    findings = {f.check: f for f in stability.analyze(run)}
+    spike = findings["loss_spike"]
+    assert spike.verdict == "warn"
+    assert spike.where["step"] == 120
+    assert spike.where["series"] == ["optimizer 1"]
+    assert findings["divergence"].where["series"] == ["optimizer 0", "optimizer 1"]

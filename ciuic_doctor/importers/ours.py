@@ -36,7 +36,9 @@ WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped
 IMPORTED_ONLY = ("interval_steps", "series", "attempted_scale")
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
             "interval_steps", "series", "attempted_scale")  # fmt: skip
-WANTED, _NUMERIC = (*WANTED, "loss_scale_next"), (*_NUMERIC, "loss_scale_next")  # watch since issue 13
+# Since issue 13 watch records the scale update() set after a step, and which optimizer stepped.
+WANTED = (*WANTED, "loss_scale_next", "optimizer")
+_NUMERIC = (*_NUMERIC, "loss_scale_next", "optimizer")
 _FLATTEN = bytes.maketrans(b",", b":")
 
 
@@ -64,22 +66,20 @@ def load(path: Path) -> StepLog:
         raw["loss_scale"] = next_scale.where(
             next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
         )
+    series_names = _optimizer_series(raw)
     interval = intervals(step, rank)
     written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
     if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
         interval = written.fillna(interval)
     table = normalize(
         {
-            **{
-                k: raw.get(k)
-                for k in WANTED
-                if k not in ("clip_max_norm", "interval_steps", "loss_scale_next")
-            },
+            **{k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps", *_WATCH_ONLY)},
             "interval_steps": interval,
         },
         source=f"ours:{path.name}",
     )
     log = StepLog(table=table, read_lines=read, unread_lines=unread, framework="gradscaler")
+    log.series_names = series_names
     clips = pd.to_numeric(raw["clip_max_norm"], errors="coerce").dropna()
     if len(clips):  # the watch probe records the max_norm a script passed to clip_grad_norm_
         log.clip_max_norm = float(clips.iloc[-1])
@@ -87,6 +87,25 @@ def load(path: Path) -> StepLog:
     if table["loss_scale"].notna().any() and log.precision is None:
         log.precision = "fp16"  # only torch.amp.GradScaler gives a scale
     return log
+
+
+_WATCH_ONLY = ("loss_scale_next", "optimizer")  # read to build the table, not columns of it
+
+
+def _optimizer_series(raw) -> list[str]:  # raw: DataFrame, changed in place
+    """A watched script with several optimizers (a GAN's D and G, two-phase training) records a step per
+    optimizer; each optimizer is a series of its own, judged apart, as several engines in one log are.
+    Returns the series' names, or [] for one optimizer."""
+    import pandas as pd
+
+    if "optimizer" not in raw or ("series" in raw and raw["series"].notna().any()):
+        return []
+    optimizer = pd.to_numeric(raw["optimizer"], errors="coerce")
+    found = sorted(int(i) for i in optimizer.dropna().unique())
+    if len(found) < 2:
+        return []
+    raw["series"] = optimizer.map({i: n for n, i in enumerate(found)}).fillna(0)
+    return [f"optimizer {i}" for i in found]
 
 
 def _apply_meta(log: StepLog, folder: Path) -> None:

@@ -352,3 +352,9 @@ def test_each_optimizer_of_a_watched_script_is_its_own_series(tmp_path):
     assert spike.where["step"] == 120
     assert spike.where["series"] == ["optimizer 1"]
     assert findings["divergence"].where["series"] == ["optimizer 0", "optimizer 1"]
+    # ...and the report draws them as two curves, not one interleaved line
+    from ciuic_doctor.report import plots
+
+    svg = plots.stability_plot(run.read("steps").records, list(findings.values()))
+    assert "optimizer 0" in svg
+    assert "optimizer 1" in svg

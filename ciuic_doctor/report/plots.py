@@ -174,6 +174,16 @@ def _by_rank(records: Iterable[dict[str, Any]]) -> dict[int, list[dict[str, Any]
     return dict(sorted(ranks.items()))
 
 
+def _curves(rows: Sequence[dict[str, Any]]) -> dict[str | None, list[dict[str, Any]]]:
+    """One curve per series: an imported log's engines (`series`), or a watched script's optimizers
+    (`optimizer`: a GAN's D and G), each drawn on its own instead of interleaved into one line."""
+    for key, name in (("series", "series"), ("optimizer", "optimizer")):
+        found = sorted({r[key] for r in rows if isinstance(r.get(key), int)})
+        if len(found) > 1:
+            return {f"{name} {k}": [r for r in rows if r.get(key) == k] for k in found}
+    return {None: list(rows)}
+
+
 def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] = ()) -> str | None:
     """Loss, grad norm and loss scale of the lowest rank, with spikes (vertical lines) and skipped steps."""
     ranks = _by_rank(records)
@@ -200,13 +210,16 @@ def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] 
     spikes = sorted(
         {(int(f.where["step"]), f.check) for f in events if isinstance(f.where.get("step"), int | float)}
     )
+    curves = _curves(rows)
     for ax, (key, title) in zip(axes[:, 0], panels, strict=True):
-        pts = [(r["step"], v) for r in rows if (v := _num(r, key)) is not None]
-        xs, ys = _thin([p[0] for p in pts], [p[1] for p in pts])
-        ax.plot(xs, ys, linewidth=1.1, color=PALETTE[0])
-        if key == "loss_scale" and ys and min(ys) > 0:
+        values: dict[Any, float] = {}
+        for i, (label, curve) in enumerate(curves.items()):
+            pts = [(r["step"], v) for r in curve if (v := _num(r, key)) is not None]
+            xs, ys = _thin([p[0] for p in pts], [p[1] for p in pts])
+            ax.plot(xs, ys, linewidth=1.1, color=PALETTE[i % len(PALETTE)], label=label)
+            values.update(pts)
+        if key == "loss_scale" and values and min(values.values()) > 0:
             ax.set_yscale("log", base=2)
-        values = dict(pts)
         marks = [s for s in skipped if s in values]
         if marks:
             ax.scatter(
@@ -231,7 +244,7 @@ def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] 
             )
             labelled.add(check)
         ax.set_ylabel(title)
-        if marks or spikes:
+        if marks or spikes or len(curves) > 1:
             ax.legend(fontsize=8, loc="upper right")
     axes[-1, 0].set_xlabel(f"step (rank {next(iter(ranks))})")
 

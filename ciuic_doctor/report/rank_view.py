@@ -70,8 +70,9 @@ def load_steps(run: RunDir) -> StepRecords:
     records: list[dict[str, Any]] = []
     for path in files[:2] if files[0] == shared else files[:1]:
         records.extend(read_jsonl(path).records)
-    ranks = [r if isinstance(r := rec.get("rank", 0), int) else None for rec in records]
-    lowest = min((r for r in ranks if r is not None), default=0)
+    # A record without a rank (an imported log: `stability LOG --out RUN` writes rank null) is rank 0's.
+    ranks = [r if isinstance(r := rec.get("rank"), int) else 0 for rec in records]
+    lowest = min(ranks, default=0)
     return StepRecords([rec for rec, r in zip(records, ranks, strict=True) if r == lowest], frame)
 
 

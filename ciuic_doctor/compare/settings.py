@@ -86,13 +86,38 @@ def _injections(meta: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in flatten(injected).items() if v is not None}
 
 
+def _observed(meta: dict[str, Any]) -> dict[str, Any]:
+    observed = flatten(meta.get("observed") if isinstance(meta.get("observed"), dict) else {})
+    return {k: _without_run_dir(v) if k.endswith("argv") else v for k, v in observed.items()}
+
+
+def _without_run_dir(argv: Any) -> Any:
+    """A command line less its `--out RUN`: every run writes to its own directory, so that part of the
+    argv always differs and says nothing about the job.
+
+    >>> _without_run_dir(["job", "--out", "reports/a", "--steps", "20", "--out=b"])
+    ['job', '--steps', '20']
+    """
+    if not isinstance(argv, list):
+        return argv
+    kept, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--out":
+            skip_next = True
+        elif not (isinstance(arg, str) and arg.startswith("--out=")):
+            kept.append(arg)
+    return kept
+
+
 def settings_diff(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[SettingChange]:
     """Every setting that differs, spec first (what the user changed), then what the job observed, the
     injected faults, the environment and the versions."""
     changes: list[SettingChange] = []
     sources = (
         ("spec", lambda m: flatten(m.get("spec") if isinstance(m.get("spec"), dict) else {})),
-        ("observed", lambda m: flatten(m.get("observed") if isinstance(m.get("observed"), dict) else {})),
+        ("observed", _observed),
         ("inject", lambda m: {f"inject.{k}": v for k, v in _injections(m).items()}),
         ("env", _env),
         ("version", lambda m: {f"version.{k}": v for k, v in _versions(m).items()}),

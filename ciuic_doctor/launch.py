@@ -94,7 +94,8 @@ def describe_failure(exc: Any) -> str:
     return "ranks failed: " + "; ".join(parts) if len(parts) > 1 else f"{parts[0]} failed"
 
 
-_THIS_PROCESS = {"made_process_group": False}  # set by init_distributed: this process is one of our ranks
+# made_process_group: set by init_distributed (one of our ranks) or by a watched script's own group
+_THIS_PROCESS = {"made_process_group": False, "flush_user_files": False}
 
 
 def init_distributed(timeout_s: float, backend: str = "auto") -> tuple[int, int, str]:
@@ -120,6 +121,27 @@ def init_distributed(timeout_s: float, backend: str = "auto") -> tuple[int, int,
     return dist.get_rank(), dist.get_world_size(), dist.get_backend()
 
 
+def note_user_process_group() -> None:
+    """A watched script made a process group in this process: it ends through exit_rank_process too.
+
+    watch's own cross-rank checksum is an all_gather, the collective in the abort's stack: a rank that a
+    script re-ran under `watch --child` died that way (exit 250) in the suite. The script's open files
+    are flushed first, since os._exit skips the interpreter's closing of them."""
+    _THIS_PROCESS["made_process_group"] = True
+    _THIS_PROCESS["flush_user_files"] = True
+
+
+def _flush_open_files() -> None:
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+
+
 def exit_rank_process(code: int) -> None:
     """End a rank process that init_distributed set up, now, without Python's interpreter teardown.
 
@@ -139,6 +161,8 @@ def exit_rank_process(code: int) -> None:
     import atexit
 
     atexit._run_exitfuncs()  # CPython's own exit path calls the same function before finalizing
+    if _THIS_PROCESS.get("flush_user_files"):
+        _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -388,6 +388,9 @@ def _hook_distributed(observer: Observer, after: Callable[..., None], undo: list
     signature = inspect.signature(c10d.init_process_group)
 
     def on_init(*args: Any, **kwargs: Any) -> None:
+        from ciuic_doctor.launch import note_user_process_group
+
+        note_user_process_group()  # end this process without gloo's teardown abort (see there)
         observer.on_process_group(dict(signature.bind_partial(*args, **kwargs).arguments))
 
     # Scripts call it as dist.init_process_group or through c10d (Lightning, accelerate): both names, one

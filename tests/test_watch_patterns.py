@@ -371,3 +371,31 @@ def test_meta_says_how_the_job_ended_even_past_every_finally(tmp_path, ending):
         assert (code, watch["status"], watch["exit_code"]) == (143, "killed", 143)
     assert watch["steps"] == 2
     assert [r["step"] for r in steps_of(out)] == [1, 2]
+
+
+def test_a_script_with_a_process_group_keeps_its_unclosed_files(tmp_path):
+    """A script that made a process group ends through os._exit (gloo's teardown can abort the process
+    after watch's checksum all_gather). A file an imported module holds open lives until interpreter
+    teardown, which os._exit skips: its buffered lines must still reach the disk."""
+    write(tmp_path, "logsink.py", 'LOG = open("train.log", "w")  # module-level, never closed\n')
+    port = free_port()
+    _, steps = watched(
+        tmp_path,
+        "group.py",
+        f"""
+        import json, torch, torch.distributed as dist
+        import logsink
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            logsink.LOG.write(f"step {{step}} loss {{loss.item():.4f}}\\n")
+        print(json.dumps({{"done": True}}))
+        """,
+    )
+    assert len(steps) == 3
+    assert (tmp_path / "train.log").read_text().count("\n") == 3

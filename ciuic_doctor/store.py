@@ -159,6 +159,37 @@ def read_jsonl(path: Path) -> StreamRead:
 
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
+# What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints.
+_RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle)|checkpoints|checkpoint-check)$")
+
+
+def _is_our_meta(path: Path) -> bool:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return (
+        isinstance(meta, dict)
+        and isinstance(meta.get("tool"), dict)
+        and meta["tool"].get("name") == ("ciuic-doctor")
+    )
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """Names in `path` that show it is not a run directory; [] for an empty folder or a run.
+
+    A run is a folder whose meta.json ciuic-doctor wrote, or (ranks racing before meta.json) one that
+    holds only names a run directory has. Our launcher's own folder ($CIUIC_RUN_DIR) is always a run.
+    """
+    if os.environ.get(RUN_DIR_ENV) and Path(os.environ[RUN_DIR_ENV]).resolve() == path.resolve():
+        return []
+    if _is_our_meta(path / "meta.json"):
+        return []
+    try:
+        names = [entry.name for entry in os.scandir(path)]
+    except OSError:
+        return []
+    return [name for name in names if not _RUN_ENTRY.match(name)]
 
 
 class RunDir:
@@ -171,7 +202,13 @@ class RunDir:
         return f"RunDir({str(self.path)!r})"
 
     @classmethod
-    def create(cls, path: str | Path, *, exist_ok: bool = True) -> RunDir:
+    def create(cls, path: str | Path, *, exist_ok: bool = True, force: bool = False) -> RunDir:
+        """A run directory to write into: created if missing, reused if it is already a run.
+
+        A folder that is not empty and not a run (`--out /`, `--out ~/project`) is refused: writing there
+        merged into its meta.json, appended to its .jsonl files and let `report` overwrite its own
+        summary.md (issue 11). `force` takes it anyway and stamps meta.json, so it is a run from then on.
+        """
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {path}: exists and is not a directory")
@@ -181,7 +218,17 @@ class RunDir:
             raise UserError(f"--out {path}: already exists") from None
         except OSError as exc:
             raise UserError(f"--out {path}: cannot create directory ({exc.strerror})") from None
-        return cls(path)
+        foreign = _foreign_entries(path)
+        if foreign and not force:
+            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise UserError(
+                f"--out {path}: not empty and not a run directory (holds {shown}); "
+                "choose a new or empty folder, or pass --force to write there anyway"
+            )
+        run = cls(path)
+        if foreign:  # forced: from now on it is a run, for every rank and every later command
+            run.update_meta()
+        return run
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:

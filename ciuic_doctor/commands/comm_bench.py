@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.commands._common import add_out, non_negative_int, positive_float, positive_int
 
 NAME = "comm-bench"
 HELP = "nccl-tests-style collective benchmark (busbw, #wrong, ring vs tree) under torchrun"
@@ -100,10 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NCCL_ALGO values to compare for all_reduce, each in a fresh communicator "
         "(default ring,tree on NCCL; 'default' = NCCL's own choice; gloo has one algorithm)",
     )
-    what.add_argument("--root", type=int, default=0, help="broadcast root rank (default 0)")
+    what.add_argument("--root", type=non_negative_int, default=0, help="broadcast root rank (default 0)")
     timing = parser.add_argument_group("timing")
     timing.add_argument(
-        "-w", "--warmup", type=int, default=2, metavar="N", help="warm-up calls per size (default 2)"
+        "-w",
+        "--warmup",
+        type=non_negative_int,
+        default=2,
+        metavar="N",
+        help="warm-up calls per size (default 2)",
     )
     timing.add_argument(
         "-n",

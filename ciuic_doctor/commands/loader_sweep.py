@@ -16,21 +16,11 @@ import os
 import signal
 import sys
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.commands._common import add_out, non_negative_float, positive_float, positive_int
 
 NAME = "loader-sweep"
 HELP = "measure num_workers / prefetch_factor / pin_memory for your dataset within a CPU and time budget"
 ORDER = 50
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

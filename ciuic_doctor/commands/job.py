@@ -76,11 +76,16 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any]:
 
     spec = load_spec(args.spec)
     updates: dict[str, Any] = {}
+    set_keys = []
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set batch.per_process=4")
         updates[key.strip()] = _parse_value(value.strip())
+        set_keys.append(key.strip())
+    if updates:  # --set values first, on their own, so a bad one is blamed on --set, not on the spec
+        spec = with_updates(spec, updates, origin="--set " + ", ".join(set_keys))
+        updates = {}
     if args.precision:
         updates["precision.mode"] = args.precision
     if args.steps:

@@ -28,6 +28,7 @@ import math
 import os
 import re
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -125,10 +126,18 @@ class JsonlWriter:
 
 @dataclass(kw_only=True)
 class StreamRead:
-    """What a reader found: the records in file order, and how many lines it had to skip."""
+    """What a reader found: the records in file order, and what it had to skip.
+
+    `skipped_lines` counts lines that are not JSON objects (a torn last line after a crash);
+    `invalid_records` counts JSON objects that do not fit the stream's schema (ciuic_doctor.schemas), with
+    the reasons (`invalid_reasons`: reason -> count). Neither kind reaches an analysis.
+    """
 
     records: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
+    invalid_records: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)  # files that could not be read at all, with why
     files: list[Path] = field(default_factory=list)
 
     def frame(self):  # -> pandas.DataFrame
@@ -137,24 +146,75 @@ class StreamRead:
 
         return pd.DataFrame.from_records(self.records)
 
+    def merge(self, part: StreamRead) -> None:
+        self.records.extend(part.records)
+        self.skipped_lines += part.skipped_lines
+        self.invalid_records += part.invalid_records
+        for reason, count in part.invalid_reasons.items():
+            self.invalid_reasons[reason] = self.invalid_reasons.get(reason, 0) + count
+        self.unreadable += part.unreadable
+        self.files += part.files
 
-def read_jsonl(path: Path) -> StreamRead:
-    """Read one JSONL file; a line that does not parse as a JSON object is counted and skipped."""
+    def problems(self) -> str | None:
+        """One line saying what was skipped, for a command to print; None when nothing was."""
+        parts = []
+        if self.skipped_lines:
+            parts.append(f"{self.skipped_lines} unparsable line(s)")
+        if self.invalid_records:
+            worst = sorted(self.invalid_reasons.items(), key=lambda kv: -kv[1])[:3]
+            parts.append(
+                f"{self.invalid_records} record(s) off schema ("
+                + "; ".join(f"{reason} x{count}" for reason, count in worst)
+                + ")"
+            )
+        parts += self.unreadable
+        return ", ".join(parts) or None
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of a regular file; OSError for a directory, FIFO, socket or device.
+
+    O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one, issue 11).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(f"{path.name} is not a regular file")
+    return fd
+
+
+def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
+    """Read one JSONL file. A line that is not a JSON object is counted and skipped; a record that does
+    not fit `stream`'s schema (default: the stream the file name says) is counted, with its reason, and
+    skipped. A path that is not a regular file (a directory, a FIFO) reads as empty, named as unreadable."""
+    from ciuic_doctor.schemas import stream_of, validate
+
+    stream = stream or stream_of(path.name)
     result = StreamRead(files=[path])
-    with open(path, "rb") as fh:
+    try:
+        fh = os.fdopen(_open_regular(path), "rb")
+    except OSError as exc:
+        result.unreadable.append(f"{path.name} unreadable ({exc.strerror or exc})")
+        return result
+    with fh:
         for raw in fh:
             line = raw.strip()
             if not line:
                 continue
             try:
                 record = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 result.skipped_lines += 1
                 continue
-            if isinstance(record, dict):
+            if not isinstance(record, dict):
+                result.skipped_lines += 1
+                continue
+            reason = validate(stream, record)
+            if reason is None:
                 result.records.append(record)
             else:
-                result.skipped_lines += 1
+                result.invalid_records += 1
+                result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + 1
     return result
 
 
@@ -265,10 +325,7 @@ class RunDir:
         """All records of a stream (shared file first, then per-rank files in rank order)."""
         total = StreamRead()
         for path in self.stream_files(name):
-            part = read_jsonl(path)
-            total.records.extend(part.records)
-            total.skipped_lines += part.skipped_lines
-            total.files.append(path)
+            total.merge(read_jsonl(path, name))
         return total
 
     # ---- meta.json -----------------------------------------------------------------------------
@@ -277,12 +334,16 @@ class RunDir:
         return self.path / "meta.json"
 
     def read_meta(self) -> dict[str, Any]:
+        """meta.json as a dict; {} when missing, {"unreadable_meta": why} when it is not a JSON object
+        (malformed, a directory, a FIFO): callers read it with .get() and never crash on it."""
         try:
-            return json.loads(self.meta_path.read_text())
+            with os.fdopen(_open_regular(self.meta_path), "rb") as fh:
+                meta = json.loads(fh.read())
         except FileNotFoundError:
             return {}
-        except ValueError:
-            return {"unreadable_meta": True}
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return {"unreadable_meta": str(getattr(exc, "strerror", None) or exc)[:200]}
+        return meta if isinstance(meta, dict) else {"unreadable_meta": "not a JSON object"}
 
     @contextlib.contextmanager
     def _meta_lock(self) -> Iterator[None]:

@@ -1,0 +1,266 @@
+"""The record schema of every stream: field -> the JSON types it may hold, and one `validate` function.
+
+Readers (`store.read_jsonl`, and any columnar reader of the same files) call `validate(stream, record)`
+and skip a record it refuses, counting it like a torn line, so a bad field cannot crash an analysis:
+a fuzz of single fields across every stream found 42 crash sites in analyze and report (issue 11).
+
+A schema names the fields the analyses read; a field not named is free (probes add fields), a field
+named may be absent unless it is in `REQUIRED`. Types are JSON's: "int" (not bool), "number" (int or
+float, or the "nan" / "inf" / "-inf" strings `store.dumps` writes for non-finite floats), "str", "bool",
+"list", "dict", "null".
+
+>>> validate("steps", {"step": 3, "loss": 2.5, "rank": 0})
+>>> validate("steps", {"step": "3", "loss": 2.5})
+'step: expected int, got str'
+>>> validate("steps", {"loss": 2.5})
+'step: missing'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NON_FINITE = frozenset({"nan", "inf", "-inf", "NaN", "Infinity", "-Infinity"})
+
+INT = frozenset({"int"})
+OPT_INT = frozenset({"int", "null"})
+NUM = frozenset({"number"})
+OPT_NUM = frozenset({"number", "null"})
+STR = frozenset({"str"})
+OPT_STR = frozenset({"str", "null"})
+BOOL = frozenset({"bool"})
+OPT_BOOL = frozenset({"bool", "null"})
+LIST = frozenset({"list"})
+OPT_LIST = frozenset({"list", "null"})
+DICT = frozenset({"dict"})
+OPT_DICT = frozenset({"dict", "null"})
+
+# Every record: `store.JsonlWriter` adds schema, t, host and (when known) rank.
+COMMON: dict[str, frozenset[str]] = {"schema": INT, "t": NUM, "host": STR, "rank": OPT_INT}
+
+SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
+    "steps": {
+        **COMMON,
+        "step": INT,
+        "step_time_s": OPT_NUM,
+        "pre_backward_s": OPT_NUM,
+        "loss": OPT_NUM,
+        "lr": OPT_NUM,
+        "grad_norm": OPT_NUM,
+        "grad_norm_source": OPT_STR,
+        "clip_max_norm": OPT_NUM,
+        "loss_scale": OPT_NUM,
+        "skipped": OPT_BOOL,
+        "backward_calls": OPT_INT,
+        "mem_allocated": OPT_NUM,
+        "mem_reserved": OPT_NUM,
+        "mem_active_peak": OPT_NUM,
+        "alloc_retries": OPT_NUM,
+        "rss": OPT_NUM,
+        "uss": OPT_NUM,
+        "weights_checksum": OPT_NUM,
+        "desync_ranks": OPT_LIST,
+        "tokens": OPT_NUM,
+        "samples": OPT_NUM,
+    },
+    "comm": {
+        **COMMON,
+        "collective": STR,
+        "algo": OPT_STR,
+        "backend": OPT_STR,
+        "dtype": OPT_STR,
+        "world_size": OPT_INT,
+        "nccl_version": OPT_STR,
+        "nccl_algo_env": OPT_STR,
+        "status": OPT_STR,
+        "inplace": OPT_BOOL,
+        "algo_used": OPT_STR,
+        "proto_used": OPT_STR,
+        "bytes": INT,
+        "count": OPT_INT,
+        "iters": OPT_INT,
+        "time_us": OPT_NUM,
+        "time_us_min": OPT_NUM,
+        "time_us_max": OPT_NUM,
+        "time_us_p50": OPT_NUM,
+        "time_us_p99": OPT_NUM,
+        "algbw_gbps": OPT_NUM,
+        "busbw_gbps": OPT_NUM,
+        "busbw_factor": OPT_NUM,
+        "wrong": OPT_INT,
+        "slowest_rank": OPT_INT,
+        "slowest_host": OPT_STR,
+        "rank_time_us": OPT_LIST,
+    },
+    "memwatch": {
+        **COMMON,
+        "pid": INT,
+        "role": OPT_STR,
+        "sample": OPT_INT,
+        "rss": OPT_NUM,
+        "anon": OPT_NUM,
+        "vms": OPT_NUM,
+        "uss": OPT_NUM,
+        "pss": OPT_NUM,
+        "swap": OPT_NUM,
+        "cpu_percent": OPT_NUM,
+        "threads": OPT_INT,
+        "uss_every": OPT_INT,
+        "gpu_bytes": OPT_NUM,
+        "gpu_devices": OPT_LIST,
+        "gpu_total_bytes": OPT_NUM,
+        "sys_available_bytes": OPT_NUM,
+        "sys_total_bytes": OPT_NUM,
+        "shm_used_bytes": OPT_NUM,
+        "shm_free_bytes": OPT_NUM,
+    },
+    "memwatch_events": {
+        **COMMON,
+        "kind": OPT_STR,
+        "pid": OPT_INT,
+        "ppid": OPT_INT,
+        "target_pid": OPT_INT,
+        "interval_s": OPT_NUM,
+        "duration_s": OPT_NUM,
+        "role": OPT_STR,
+        "name": OPT_STR,
+        "cmdline": OPT_STR,
+        "reason": OPT_STR,
+        "note": OPT_STR,
+        "samples": OPT_INT,
+    },
+    "loader": {
+        **COMMON,
+        "kind": OPT_STR,
+        "config": OPT_STR,
+        "status": OPT_STR,
+        "num_workers": OPT_INT,
+        "prefetch_factor": OPT_INT,
+        "pin_memory": OPT_BOOL,
+        "persistent_workers": OPT_BOOL,
+        "batch_size": OPT_INT,
+        "round": OPT_INT,
+        "samples": OPT_NUM,
+        "samples_per_s": OPT_NUM,
+        "elapsed_s": OPT_NUM,
+        "batch_latency_p50_ms": OPT_NUM,
+        "batch_latency_p99_ms": OPT_NUM,
+        "epoch_start_s": OPT_NUM,
+        "group_s": OPT_LIST,
+        "cpu": OPT_DICT,
+        "current": OPT_DICT,
+        "dataset": OPT_DICT,
+        "workers": OPT_LIST,
+        "prefetch": OPT_LIST,
+        "configs": OPT_LIST,
+        "kept": OPT_LIST,
+        "dropped": OPT_LIST,
+        "finalists": OPT_LIST,
+        "over_budget": OPT_BOOL,
+        "eligible": OPT_BOOL,
+        "is_current": OPT_BOOL,
+        "worker_uss_growth_bytes": OPT_NUM,
+        "worker_rss_growth_bytes": OPT_NUM,
+        "shm_need_bytes": OPT_NUM,
+        "shm_free_bytes": OPT_NUM,
+        "budget_s": OPT_NUM,
+        "timeout_s": OPT_NUM,
+    },
+    "checkpoint": {
+        **COMMON,
+        "kind": OPT_STR,
+        "method": OPT_STR,
+        "variant": OPT_STR,
+        "step": OPT_INT,
+        "repeat": OPT_INT,
+        "nproc": OPT_INT,
+        "save_s": OPT_NUM,
+        "load_s": OPT_NUM,
+        "read_s": OPT_NUM,
+        "restore_s": OPT_NUM,
+        "gather_s": OPT_NUM,
+        "barrier_wait_s": OPT_NUM,
+        "broadcast_wait_s": OPT_NUM,
+        "size_bytes": OPT_NUM,
+        "peak_rss_bytes": OPT_NUM,
+        "rss_delta_bytes": OPT_NUM,
+        "held_bytes": OPT_NUM,
+        "median_step_s": OPT_NUM,
+        "first_step": OPT_INT,
+        "losses": OPT_LIST,
+        "fingerprint": OPT_DICT,
+        "variants": OPT_LIST,
+        "missing": OPT_LIST,
+        "drop": OPT_LIST,
+        "restored": OPT_LIST,
+        "not_applicable": OPT_LIST,
+        "unsafe_globals": OPT_LIST,
+        "safe": OPT_BOOL,
+        "weights_only_loaded": OPT_BOOL,
+        "path": OPT_STR,
+        "error": OPT_STR,
+    },
+}
+
+# Fields without which a record means nothing to its analysis (a step without its number).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "steps": ("step",),
+    "comm": ("collective", "bytes"),
+    "memwatch": ("pid",),
+}
+
+
+def json_type(value: Any) -> str:
+    """The schema token of a parsed JSON value ("number" covers the non-finite strings)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict):
+        return "dict"
+    return type(value).__name__
+
+
+def _fits(value: Any, allowed: frozenset[str]) -> bool:
+    kind = json_type(value)
+    if kind in allowed:
+        return True
+    if "number" in allowed:
+        return kind == "int" or (kind == "str" and value in NON_FINITE)
+    return False
+
+
+def validate(stream: str, record: Any) -> str | None:
+    """Why `record` does not fit `stream`'s schema (one short reason), or None when it fits.
+
+    A stream without a schema (one a later version adds) takes any JSON object.
+    """
+    if not isinstance(record, dict):
+        return f"not a JSON object ({json_type(record)})"
+    schema = SCHEMAS.get(stream)
+    if schema is None:
+        return None
+    for name in REQUIRED.get(stream, ()):
+        if name not in record:
+            return f"{name}: missing"
+    for name, value in record.items():
+        allowed = schema.get(name)
+        if allowed is not None and not _fits(value, allowed):
+            want = " or ".join(sorted(allowed))
+            return f"{name}: expected {want}, got {json_type(value)}"
+    return None
+
+
+def stream_of(file_name: str) -> str:
+    """The stream a file belongs to: `steps.rank3.jsonl` -> "steps", `comm.jsonl` -> "comm"."""
+    base = file_name[: -len(".jsonl")] if file_name.endswith(".jsonl") else file_name
+    head, _, tail = base.rpartition(".rank")
+    return head if head and tail.isdigit() else base

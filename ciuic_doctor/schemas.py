@@ -264,3 +264,66 @@ def stream_of(file_name: str) -> str:
     base = file_name[: -len(".jsonl")] if file_name.endswith(".jsonl") else file_name
     head, _, tail = base.rpartition(".rank")
     return head if head and tail.isdigit() else base
+
+
+# meta.json's top level: what each key must be when present (the readers use .get() on the dicts).
+META: dict[str, frozenset[str]] = {
+    "schema": INT,
+    "run": STR,
+    "created": NUM,
+    "tool": DICT,
+    "env": DICT,
+    "spec": DICT,
+    "probes": DICT,
+    "checkup": DICT,
+    "job": DICT,
+    "source": frozenset({"str", "dict", "null"}),
+    "observed": OPT_DICT,
+}
+# One level down, where the readers go: probes.<name> and env.cpu / env.world / env.env are dicts,
+# env.devices a list of dicts.
+_META_NESTED_DICTS = {"probes": None, "env": ("cpu", "world", "env", "nccl_conf", "packages")}
+
+
+def clean_meta(meta: Any) -> tuple[dict[str, Any], list[str]]:
+    """meta.json with every value of the wrong type dropped, and one reason per dropped key.
+
+    >>> clean_meta({"run": "r", "probes": [1], "env": {"cpu": 3}})
+    ({'run': 'r', 'env': {}}, ['probes: expected dict, got list', 'env.cpu: expected dict, got int'])
+    """
+    if not isinstance(meta, dict):
+        return {}, [f"meta.json: not a JSON object ({json_type(meta)})"]
+    out: dict[str, Any] = {}
+    bad: list[str] = []
+    for key, value in meta.items():
+        allowed = META.get(key)
+        if allowed is not None and not _fits(value, allowed):
+            bad.append(f"{key}: expected {' or '.join(sorted(allowed))}, got {json_type(value)}")
+            continue
+        out[key] = value
+    probes = out.get("probes")
+    if isinstance(probes, dict):
+        for name, entry in list(probes.items()):
+            if not isinstance(entry, dict):
+                bad.append(f"probes.{name}: expected dict, got {json_type(entry)}")
+                probes = {k: v for k, v in probes.items() if k != name}
+        out["probes"] = probes
+    env = out.get("env")
+    if isinstance(env, dict):
+        kept = dict(env)
+        for name in _META_NESTED_DICTS["env"] or ():
+            if name in kept and not isinstance(kept[name], dict):
+                bad.append(f"env.{name}: expected dict, got {json_type(kept[name])}")
+                del kept[name]
+        devices = kept.get("devices")
+        if devices is not None and not (
+            isinstance(devices, list) and all(isinstance(d, dict) for d in devices)
+        ):
+            bad.append("env.devices: expected a list of objects")
+            del kept["devices"]
+        for name in ("torch", "cuda", "nccl", "host"):
+            if name in kept and not isinstance(kept[name], str | None):
+                bad.append(f"env.{name}: expected str, got {json_type(kept[name])}")
+                del kept[name]
+        out["env"] = kept
+    return out, bad

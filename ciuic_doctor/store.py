@@ -103,7 +103,16 @@ class JsonlWriter:
         self.path = path
         self.rank = rank
         self.host = socket.gethostname()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            # O_NONBLOCK: a FIFO planted as a stream would block the open forever; it fails below instead.
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot write this stream ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            self._fd = -1
+            raise UserError(f"{path}: exists and is not a regular file")
+        os.set_blocking(self._fd, True)
 
     def write(self, record: dict[str, Any]) -> None:
         full = {"schema": SCHEMA, "t": time.time(), "host": self.host}
@@ -257,6 +266,8 @@ class RunDir:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self.meta_problems: list[str] = []  # what read_meta had to drop, for the report to say
+        self.read_problems: dict[str, str] = {}  # stream -> what its reader skipped (StreamRead.problems)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -326,6 +337,9 @@ class RunDir:
         total = StreamRead()
         for path in self.stream_files(name):
             total.merge(read_jsonl(path, name))
+        problems = total.problems()
+        if problems:
+            self.read_problems[name] = problems
         return total
 
     # ---- meta.json -----------------------------------------------------------------------------
@@ -334,16 +348,22 @@ class RunDir:
         return self.path / "meta.json"
 
     def read_meta(self) -> dict[str, Any]:
-        """meta.json as a dict; {} when missing, {"unreadable_meta": why} when it is not a JSON object
-        (malformed, a directory, a FIFO): callers read it with .get() and never crash on it."""
+        """meta.json as a dict; {} when missing, {"unreadable_meta": why} when it does not parse (or is a
+        directory or a FIFO). Values of the wrong type are dropped (schemas.clean_meta) and named in
+        `self.meta_problems`, so a reader's `.get()` chain never meets a list where it expects a dict."""
+        from ciuic_doctor.schemas import clean_meta
+
         try:
             with os.fdopen(_open_regular(self.meta_path), "rb") as fh:
-                meta = json.loads(fh.read())
+                raw = json.loads(fh.read())
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-            return {"unreadable_meta": str(getattr(exc, "strerror", None) or exc)[:200]}
-        return meta if isinstance(meta, dict) else {"unreadable_meta": "not a JSON object"}
+            reason = str(getattr(exc, "strerror", None) or exc)[:200]
+            self.meta_problems = [f"meta.json unreadable: {reason}"]
+            return {"unreadable_meta": reason}
+        meta, self.meta_problems = clean_meta(raw)
+        return meta
 
     @contextlib.contextmanager
     def _meta_lock(self) -> Iterator[None]:
@@ -396,6 +416,8 @@ class RunDir:
         from ciuic_doctor.envinfo import scrub
 
         target = self.path / name
+        if target.is_dir() and not target.is_symlink():  # rename cannot replace a directory
+            raise UserError(f"{target}: exists and is a directory; move it away and run again")
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         tmp.write_text(scrub(text))
         os.replace(tmp, target)

@@ -39,6 +39,19 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def check_nproc(nproc: int, source: str = "--nproc") -> None:
+    """Refuse more local ranks than CPUs: each rank is a process with its own threads, and --nproc 999
+    started 229 ranks on 2 cores before the machine ran out of memory (issue 11). torchrun has no such
+    limit, for whoever means it."""
+    cpus = os.cpu_count() or 1
+    if nproc < 1:
+        raise UserError(f"{source} must be at least 1, not {nproc}")
+    if nproc > cpus:
+        raise UserError(
+            f"{source} {nproc}: more local ranks than this machine's {cpus} CPUs (at most {cpus})"
+        )
+
+
 def launch_local(
     nproc: int,
     argv: list[str],
@@ -52,8 +65,7 @@ def launch_local(
     Every rank gets $CIUIC_RUN_DIR=run_dir. Raises ProbeFailed naming the first rank that failed, with
     its exit code or signal; what the ranks wrote before that stays in the run directory.
     """
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, not {nproc}")
+    check_nproc(nproc)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 

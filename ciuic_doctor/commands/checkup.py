@@ -152,15 +152,21 @@ class Checkup:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.errors import UserError
     from ciuic_doctor.jobs.spec import load_spec
+    from ciuic_doctor.launch import check_nproc
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
 
+    phases = ("comm-bench", "loader-sweep", "job", "memwatch", "checkpoint-check")
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    if unknown := sorted(skip - set(phases)):  # `--skip foo` was ignored: every phase ran (issue 11)
+        raise UserError(f"--skip: unknown phase(s) {', '.join(unknown)}; choose from {','.join(phases)}")
     spec = load_spec(args.spec)
+    nproc = args.nproc or spec.job.procs_per_node
+    check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
-    nproc = args.nproc or spec.job.procs_per_node
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     spec_args = ["--spec", str(Path(args.spec).resolve())] if args.spec else []
     started = time.perf_counter()
     run_dir.record_environment()

@@ -119,7 +119,7 @@ def _child_argv(args: argparse.Namespace, run_path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.launch import in_torchrun
+    from ciuic_doctor.launch import check_nproc, in_torchrun
 
     spec, options = resolve(args)
     if in_torchrun():
@@ -127,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_job(spec, options)
     nproc = args.nproc or spec.job.procs_per_node
+    check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     options.injections.check(world=nproc, precision=spec.precision.mode)
     if nproc == 1:
         from ciuic_doctor.jobs.train import run_job

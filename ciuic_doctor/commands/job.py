@@ -145,10 +145,20 @@ def run(args: argparse.Namespace) -> int:
         resolve_resume(options.resume)
     run_dir = RunDir.create(default_run_path("job", args.out))
     print(f"launching {nproc} local ranks -> {run_dir.path}", flush=True)
+    from ciuic_doctor.errors import ProbeFailed
+    from ciuic_doctor.jobs.liveness import PARENT_ENV
+
+    env = {**spec.distributed.env, PARENT_ENV: "1"}
     try:
-        launch_local(
-            nproc, _child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env=spec.distributed.env
-        )
+        launch_local(nproc, _child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env=env)
+    except ProbeFailed:
+        # A survivor named the dead or hung rank in meta.json; its words say more than the launcher's
+        # "rank 1 failed (killed by signal SIGKILL)" about a rank it had to kill.
+        entry = run_dir.read_meta().get("probes", {}).get("job", {})
+        run_dir.record_probe("job", **{**entry, "status": "failed", "nproc": nproc})
+        if entry.get("message"):
+            raise ProbeFailed(f"{entry['message']}; records in {run_dir.path}") from None
+        raise
     except BaseException:
         run_dir.record_probe("job", status="failed", nproc=nproc)
         raise

@@ -95,6 +95,9 @@ def _prepare_out(args: argparse.Namespace) -> None:
 
 
 def _run_command(argv: list[str] | None) -> int:
+    from ciuic_doctor.launch import die_with_launcher
+
+    die_with_launcher()  # a rank of our launcher ends with it, even when it is killed with -9
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

@@ -268,6 +268,7 @@ class RunDir:
         self.path = Path(path)
         self.meta_problems: list[str] = []  # what read_meta had to drop, for the report to say
         self.read_problems: dict[str, str] = {}  # stream -> what its reader skipped (StreamRead.problems)
+        self._irregular: dict[str, str] = {}  # stream -> its files that are not regular files
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
@@ -322,12 +323,23 @@ class RunDir:
         return JsonlWriter(path, rank=rank)
 
     def stream_files(self, name: str) -> list[Path]:
+        """The files of stream `name`: the shared one first, then per-rank files in rank order.
+
+        Only regular files: a directory or FIFO under a stream's name (a FIFO hung every reader) is left
+        out and named in `read_problems`, for every reader of the run (this one and columnar ones).
+        """
         shared = self.stream_path(name)
         ranked = sorted(
             self.path.glob(f"{name}.rank*.jsonl"),
             key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
         )
-        return ([shared] if shared.exists() else []) + ranked
+        found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
+        regular = [p for p in found if p.is_file()]
+        if len(regular) < len(found):
+            others = ", ".join(p.name for p in found if not p.is_file())
+            self._irregular[name] = f"{others} unreadable (not a regular file)"
+            self.read_problems.setdefault(name, self._irregular[name])
+        return regular
 
     def has_stream(self, name: str) -> bool:
         return bool(self.stream_files(name))
@@ -337,7 +349,7 @@ class RunDir:
         total = StreamRead()
         for path in self.stream_files(name):
             total.merge(read_jsonl(path, name))
-        problems = total.problems()
+        problems = "; ".join(p for p in (self._irregular.get(name), total.problems()) if p)
         if problems:
             self.read_problems[name] = problems
         return total

@@ -59,6 +59,10 @@ class Watch:
     timeout_s: float
     row: int = 0
     label: str = "start-up"
+    # The stall watchdog (no progress for timeout + STALL_GRACE_S ends the process): comm-bench's rows
+    # are short; the job turns it off, its start-up (model build, DataLoader workers) is not a row.
+    stall_watchdog: bool = True
+    command: str = "comm-bench"
     _last_progress: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     _reported: threading.Lock = field(default_factory=threading.Lock)
@@ -107,10 +111,10 @@ class Watch:
             if self.store is not None:
                 with contextlib.suppress(Exception):
                     self.store.set(f"beat/{self.rank}", str(self._beats))
-            if time.monotonic() - self._last_progress > stall_after:
+            if self.stall_watchdog and time.monotonic() - self._last_progress > stall_after:
                 message = self.report(f"no progress for {stall_after:.0f} s")
                 if message:
-                    print(f"ciuic-doctor comm-bench: FAILED: {message}", file=sys.stderr, flush=True)
+                    print(f"ciuic-doctor {self.command}: FAILED: {message}", file=sys.stderr, flush=True)
                 os._exit(1)
 
     # ---- diagnosis ---------------------------------------------------------------------------

@@ -34,7 +34,13 @@ def start_watch(rank: int, world: int, timeout_s: float) -> Any | None:
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     watch = Watch(
-        store=default_store(), rank=rank, world_size=world, hosts=[str(h) for h in hosts], timeout_s=timeout_s
+        store=default_store(),
+        rank=rank,
+        world_size=world,
+        hosts=[str(h) for h in hosts],
+        timeout_s=timeout_s,
+        stall_watchdog=False,  # gloo's own timeout catches a hung step; start-up is not a step
+        command="job",
     )
     watch.start()
     watch.step("start-up")

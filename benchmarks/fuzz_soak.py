@@ -72,13 +72,14 @@ def main() -> int:
                 findings = build_report(run, analyze=True).findings if args.report else run_all(run)
                 fuzzkit.assert_counted(RunDir.open(folder), invalid, findings)
             except Exception as exc:
-                crashes.setdefault(crash_site(exc), changes)
+                site = crash_site(exc)
+                if site not in crashes:
+                    crashes[site] = changes
+                    print(f"CRASH {site}\n    after {changes!r:.300}", flush=True)
             if number % 200 == 0:
                 print(f"{number}/{len(cases)} examples, {len(crashes)} crash sites", flush=True)
     elapsed = time.perf_counter() - started
     print(f"\n{len(cases)} examples in {elapsed:.0f} s ({elapsed / len(cases) * 1000:.0f} ms each)")
-    for site, changes in sorted(crashes.items()):
-        print(f"CRASH {site}\n    after {changes!r:.300}")
     print(f"{len(crashes)} distinct crash site(s)")
     return 1 if crashes else 0
 

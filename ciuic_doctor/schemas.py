@@ -7,7 +7,7 @@ a fuzz of single fields across every stream found 42 crash sites in analyze and 
 A schema names the fields the analyses read; a field not named is free (probes add fields), a field
 named may be absent unless it is in `REQUIRED`. Types are JSON's: "int" (not bool), "number" (int or
 float, or the "nan" / "inf" / "-inf" strings `store.dumps` writes for non-finite floats), "str", "bool",
-"list", "dict", "null".
+"list", "dict", "null", and "numbers" / "ints" (a list of them).
 
 >>> validate("steps", {"step": 3, "loss": 2.5, "rank": 0})
 >>> validate("steps", {"step": "3", "loss": 2.5})
@@ -33,6 +33,9 @@ OPT_BOOL = frozenset({"bool", "null"})
 LIST = frozenset({"list"})
 OPT_LIST = frozenset({"list", "null"})
 DICT = frozenset({"dict"})
+NUMBERS = frozenset({"numbers"})  # a list whose every element is a number
+OPT_NUMBERS = frozenset({"numbers", "null"})
+OPT_INTS = frozenset({"ints", "null"})  # a list of whole numbers
 OPT_DICT = frozenset({"dict", "null"})
 
 # Every record: `store.JsonlWriter` adds schema, t, host and (when known) rank.
@@ -59,14 +62,14 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "rss": OPT_NUM,
         "uss": OPT_NUM,
         "weights_checksum": OPT_NUM,
-        "desync_ranks": OPT_LIST,
+        "desync_ranks": OPT_INTS,
         "tokens": OPT_NUM,
         "samples": OPT_NUM,
     },
     "comm": {
         **COMMON,
         "collective": STR,
-        "algo": OPT_STR,
+        "algo": STR,
         "backend": OPT_STR,
         "dtype": OPT_STR,
         "world_size": OPT_INT,
@@ -90,12 +93,12 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "wrong": OPT_INT,
         "slowest_rank": OPT_INT,
         "slowest_host": OPT_STR,
-        "rank_time_us": OPT_LIST,
+        "rank_time_us": OPT_NUMBERS,
     },
     "memwatch": {
         **COMMON,
         "pid": INT,
-        "role": OPT_STR,
+        "role": STR,
         "sample": OPT_INT,
         "rss": OPT_NUM,
         "anon": OPT_NUM,
@@ -146,7 +149,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "batch_latency_p50_ms": OPT_NUM,
         "batch_latency_p99_ms": OPT_NUM,
         "epoch_start_s": OPT_NUM,
-        "group_s": OPT_LIST,
+        "group_s": OPT_NUMBERS,
         "cpu": OPT_DICT,
         "current": OPT_DICT,
         "dataset": OPT_DICT,
@@ -161,10 +164,29 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "is_current": OPT_BOOL,
         "worker_uss_growth_bytes": OPT_NUM,
         "worker_rss_growth_bytes": OPT_NUM,
-        "shm_need_bytes": OPT_NUM,
-        "shm_free_bytes": OPT_NUM,
+        "worker_pss_growth_bytes": OPT_NUM,
+        "worker_uss_bytes": OPT_NUM,
+        "shm_need_bytes": OPT_INT,
+        "shm_free_bytes": OPT_INT,
+        "shm_total_bytes": OPT_INT,
+        "batch_bytes": OPT_INT,
+        "local_world_size": OPT_INT,
+        "cpu_budget_per_rank": OPT_INT,
+        "lightning_rule_workers": OPT_INT,
+        "sweep": frozenset({"str", "int", "null"}),  # an id: a string in real sweeps, a number in samples
         "budget_s": OPT_NUM,
         "timeout_s": OPT_NUM,
+        "step_ms": OPT_NUM,
+        "taken_samples_per_s": OPT_NUM,
+        "window_wall_s": OPT_NUM,
+        "wall_s": OPT_NUM,
+        "slot_s": OPT_NUM,
+        "warmup_batches": OPT_INT,
+        "window_batches": OPT_INT,
+        "worker_pids": OPT_INT,
+        "persistent_restart_s": OPT_NUM,
+        "explicit_workers": OPT_BOOL,
+        "torch_threads": OPT_INT,
     },
     "checkpoint": {
         **COMMON,
@@ -187,7 +209,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "held_bytes": OPT_NUM,
         "median_step_s": OPT_NUM,
         "first_step": OPT_INT,
-        "losses": OPT_LIST,
+        "losses": OPT_NUMBERS,
         "fingerprint": OPT_DICT,
         "variants": OPT_LIST,
         "missing": OPT_LIST,
@@ -206,7 +228,20 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
 REQUIRED: dict[str, tuple[str, ...]] = {
     "steps": ("step",),
     "comm": ("collective", "bytes"),
-    "memwatch": ("pid",),
+    "memwatch": ("pid", "role"),
+}
+
+
+# Fields required only in some records: (field, value it has) -> fields those records need.
+# Each field named is required in those records, with the types given.
+CONDITIONAL: dict[str, list[tuple[str, Any, dict[str, frozenset[str]]]]] = {
+    # a measured row (status "ok", the default) has its figures; a "not_run" row has a reason instead
+    "comm": [("status", "ok", {"busbw_gbps": NUM, "time_us": NUM})],
+    # a loader measurement names its configuration and counts what it measured
+    "loader": [
+        ("kind", "measure", {"config": STR, "num_workers": INT, "status": STR}),
+        ("status", "ok", {"round": INT, "samples": INT}),
+    ],
 }
 
 
@@ -233,6 +268,10 @@ def _fits(value: Any, allowed: frozenset[str]) -> bool:
     kind = json_type(value)
     if kind in allowed:
         return True
+    if kind == "list" and "numbers" in allowed:
+        return all(_fits(v, NUM) for v in value)
+    if kind == "list" and "ints" in allowed:
+        return all(json_type(v) == "int" for v in value)
     if "number" in allowed:
         return kind == "int" or (kind == "str" and value in NON_FINITE)
     return False
@@ -251,6 +290,14 @@ def validate(stream: str, record: Any) -> str | None:
     for name in REQUIRED.get(stream, ()):
         if name not in record:
             return f"{name}: missing"
+    for key, value, needed in CONDITIONAL.get(stream, ()):
+        if record.get(key, "ok" if key == "status" and stream == "comm" else None) != value:
+            continue
+        for name, allowed in needed.items():
+            if name not in record:
+                return f"{name}: missing (in a record with {key} {value!r})"
+            if not _fits(record[name], allowed):
+                return f"{name}: expected {' or '.join(sorted(allowed))}, got {json_type(record[name])}"
     for name, value in record.items():
         allowed = schema.get(name)
         if allowed is not None and not _fits(value, allowed):

@@ -80,6 +80,8 @@ def assert_counted(run: RunDir, invalid: dict[str, int], findings) -> None:
     """Every off-schema record is counted by the reader, and the findings name its stream."""
     for stream, count in invalid.items():
         assert run.read(stream).invalid_records == count, stream
+    crashed = [f.summary for f in findings if f.check == "analysis_error"]
+    assert crashed == []
     if invalid:
         quality = [f for f in findings if f.probe == "store" and f.check == "records_readable"]
         assert len(quality) == 1

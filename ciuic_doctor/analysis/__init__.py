@@ -37,8 +37,12 @@ def run_all(run: RunDir) -> list[Finding]:
     run.read_meta()  # fills run.meta_problems before the analyses read it
     for module in analysis_modules():
         if any(run.has_stream(stream) for stream in module.STREAMS):
-            findings.extend(module.analyze(run))
-            ran.append(module.__name__.rsplit(".", 1)[-1])
+            name = module.__name__.rsplit(".", 1)[-1]
+            try:
+                findings.extend(module.analyze(run))
+            except Exception as exc:  # a record the schemas let through: one analysis lost, not the run
+                findings.append(_crashed(name, exc))
+            ran.append(name)
     if quality := records_finding(run):
         findings.append(quality)
     findings = sort_findings(findings)
@@ -47,6 +51,26 @@ def run_all(run: RunDir) -> list[Finding]:
         {"schema": 1, "created": time.time(), "analyses": ran, "findings": [f.to_dict() for f in findings]},
     )
     return findings
+
+
+def _crashed(analysis: str, exc: Exception) -> Finding:
+    """not_run for an analysis that raised: the others' findings and the report still come out.
+
+    The readers validate every record against its stream's schema (ciuic_doctor.schemas), so this is a
+    value the schema allows but the analysis did not expect: a bug to report, with its one line here.
+    """
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "ciuic_doctor" in f.filename]
+    where = f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else "?"
+    return Finding(
+        probe=analysis,
+        check="analysis_error",
+        verdict="not_run",
+        summary=f"the {analysis} analysis failed on this run's records ({type(exc).__name__} at {where}: "
+        f"{str(exc)[:160]}); please report it",
+        evidence={"error": type(exc).__name__, "where": where},
+    )
 
 
 def records_finding(run: RunDir) -> Finding | None:

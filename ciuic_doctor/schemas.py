@@ -245,23 +245,15 @@ CONDITIONAL: dict[str, list[tuple[str, Any, dict[str, frozenset[str]]]]] = {
 }
 
 
+_JSON_TYPES = ((bool, "bool"), (int, "int"), (float, "number"), (str, "str"), (list, "list"), (dict, "dict"))
+
+
 def json_type(value: Any) -> str:
     """The schema token of a parsed JSON value ("number" covers the non-finite strings)."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "bool"
-    if isinstance(value, int):
-        return "int"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, dict):
-        return "dict"
-    return type(value).__name__
+    # bool before int: True is an int to Python, never a count to a schema
+    return next((name for kind, name in _JSON_TYPES if isinstance(value, kind)), type(value).__name__)
 
 
 def _fits(value: Any, allowed: frozenset[str]) -> bool:

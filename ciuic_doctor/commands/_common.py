@@ -46,24 +46,23 @@ def _checked(value: float, text: str, *, minimum: float, inclusive: bool) -> Non
         raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
 
 
-def positive_int(text: str) -> int:
-    """A whole number from 1 to 1e9."""
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    _checked(value, text, minimum=1, inclusive=True)
+    _checked(value, text, minimum=minimum, inclusive=True)
     return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number from 1 to 1e9."""
+    return _whole(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """A whole number from 0 to 1e9."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    _checked(value, text, minimum=0, inclusive=True)
-    return value
+    return _whole(text, 0)
 
 
 def _float(text: str) -> float:

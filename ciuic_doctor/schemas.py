@@ -79,7 +79,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "inplace": OPT_BOOL,
         "algo_used": OPT_STR,
         "proto_used": OPT_STR,
-        "bytes": INT,
+        "bytes": OPT_INT,
         "count": OPT_INT,
         "iters": OPT_INT,
         "time_us": OPT_NUM,
@@ -227,7 +227,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
 # Fields without which a record means nothing to its analysis (a step without its number).
 REQUIRED: dict[str, tuple[str, ...]] = {
     "steps": ("step",),
-    "comm": ("collective", "bytes"),
+    "comm": ("collective",),
     "memwatch": ("pid", "role"),
 }
 
@@ -236,7 +236,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 # Each field named is required in those records, with the types given.
 CONDITIONAL: dict[str, list[tuple[str, Any, dict[str, frozenset[str]]]]] = {
     # a measured row (status "ok", the default) has its figures; a "not_run" row has a reason instead
-    "comm": [("status", "ok", {"busbw_gbps": NUM, "time_us": NUM})],
+    "comm": [("status", "ok", {"bytes": INT, "busbw_gbps": NUM, "time_us": NUM})],
     # a loader measurement names its configuration and counts what it measured
     "loader": [
         ("kind", "measure", {"config": STR, "num_workers": INT, "status": STR}),

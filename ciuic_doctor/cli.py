@@ -89,9 +89,12 @@ def _prepare_out(args: argparse.Namespace) -> None:
     out = getattr(args, "out", None)
     if not out or not hasattr(args, "force"):
         return
+    from pathlib import Path
+
     from ciuic_doctor.store import RunDir
 
-    RunDir.create(out, force=args.force)
+    if Path(out).exists() or args.force:  # a missing folder is made by the command, once it runs
+        RunDir.create(out, force=args.force)
 
 
 def _run_command(argv: list[str] | None) -> int:

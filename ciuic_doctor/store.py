@@ -14,7 +14,7 @@ variable cannot end up in a run directory even when a log line or an argv carrie
 
 >>> run = RunDir.create("/tmp/ciuic-doctest-run", exist_ok=True)
 >>> with run.writer("comm") as w:
-...     w.write({"collective": "all_reduce", "algo": "ring", "bytes": 1024, "time_us": 9.5, "busbw_gbps": 0.2})
+...     w.write({"collective": "all_reduce", "algo": "ring", "bytes": 1024, "time_us": 9.5, "busbw_gbps": 1})
 ...     w.write({"collective": "all_reduce", "bytes": "1K"})  # off schema: counted, not returned
 >>> read = run.read("comm")
 >>> read.records[-1]["bytes"], read.invalid_records > 0

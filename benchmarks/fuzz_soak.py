@@ -4,8 +4,9 @@ Prints each distinct crash site once, with the mutation that reached it; exit 1 
 
 The CI suite (tests/test_fuzz_records.py) runs the same properties with a few dozen examples.
 
-    .venv/bin/python benchmarks/fuzz_soak.py                   # sweep + 2000 random, about 5 minutes
+    .venv/bin/python benchmarks/fuzz_soak.py                   # sweep (~5000) + 2000 random: ~15 min
     .venv/bin/python benchmarks/fuzz_soak.py --random 0        # the deterministic sweep only
+    .venv/bin/python benchmarks/fuzz_soak.py --no-sweep --random 300
     .venv/bin/python benchmarks/fuzz_soak.py --report --random 50
 """
 
@@ -38,6 +39,7 @@ def main() -> int:
     parser.add_argument("--random", type=int, default=2000, help="random multi-field examples (2000)")
     parser.add_argument("--report", action="store_true", help="also build the report each time (slow)")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--no-sweep", action="store_true", help="random examples only")
     args = parser.parse_args()
 
     import fuzzkit
@@ -48,7 +50,7 @@ def main() -> int:
     from ciuic_doctor.store import RunDir
 
     cases: list[list[tuple]] = []
-    for name, rows in fuzzkit.BASE.items():
+    for name, rows in () if args.no_sweep else fuzzkit.BASE.items():
         shapes: dict[tuple, int] = {}
         for index, row in enumerate(rows):
             shapes.setdefault(tuple(sorted(row)), index)

@@ -18,7 +18,7 @@ from ciuic_doctor.report import build_report
 from ciuic_doctor.store import RunDir
 
 FUZZ_EXAMPLES = 40  # analyze: 0.2-1 s each on this loaded machine; benchmarks/fuzz_soak.py runs thousands
-REPORT_EXAMPLES = 3  # report renders plots: 2-10 s each
+REPORT_EXAMPLES = 2  # report renders plots: 5-20 s each on this loaded machine
 
 hostile_leaf = (
     st.none()

@@ -74,6 +74,7 @@ def launch_local(
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).resolve())
     os.environ[LAUNCHER_ENV] = str(os.getpid())
     _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a killed rank's orphans (forkserver, workers) come back to us
+    before = _descendants()  # a caller's own children are its business, not ours to end
     os.environ.update(env or {})
     # One OpenMP thread per rank unless the user says otherwise: N ranks × all cores each is the
     # oversubscription torchrun itself warns about (it sets OMP_NUM_THREADS=1 for nproc > 1).
@@ -101,7 +102,7 @@ def launch_local(
             raise KeyboardInterrupt from None
         raise Interrupted(exc.sigval) from None
     finally:
-        reap_descendants()
+        reap_descendants(spare=before)
 
 
 class Interrupted(ProbeFailed):
@@ -153,8 +154,20 @@ def die_with_launcher() -> None:
         os._exit(128 + signal.SIGTERM)
 
 
-def reap_descendants(grace_s: float = REAP_GRACE_S) -> list[int]:
-    """End every process still below this one (SIGTERM, then SIGKILL after `grace_s`); their pids.
+def _descendants() -> set[int]:
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def reap_descendants(grace_s: float = REAP_GRACE_S, spare: set[int] | None = None) -> list[int]:
+    """End every process still below this one but those in `spare` (SIGTERM, then SIGKILL after
+    `grace_s`); their pids.
 
     With this process a child subreaper, the orphans of a rank killed with -9 (its forkserver, resource
     tracker, DataLoader workers) are reparented here and end with the run instead of living on.
@@ -164,7 +177,7 @@ def reap_descendants(grace_s: float = REAP_GRACE_S) -> list[int]:
     except ImportError:
         return []
     try:
-        left = psutil.Process().children(recursive=True)
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in (spare or set())]
     except psutil.Error:
         return []
     for proc in left:

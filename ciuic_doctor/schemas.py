@@ -58,7 +58,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "mem_allocated": OPT_NUM,
         "mem_reserved": OPT_NUM,
         "mem_active_peak": OPT_NUM,
-        "alloc_retries": OPT_NUM,
+        "alloc_retries": OPT_INT,  # a counter: never NaN
         "rss": OPT_NUM,
         "uss": OPT_NUM,
         "weights_checksum": OPT_NUM,

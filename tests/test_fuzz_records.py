@@ -17,8 +17,8 @@ from ciuic_doctor.analysis import run_all
 from ciuic_doctor.report import build_report
 from ciuic_doctor.store import RunDir
 
-FUZZ_EXAMPLES = 40  # analyze: 0.2-1 s each on this loaded machine; benchmarks/fuzz_soak.py runs thousands
-REPORT_EXAMPLES = 2  # report renders plots: 5-20 s each on this loaded machine
+FUZZ_EXAMPLES = 100  # analyze: ~0.08 s each alone, 1 s under load; benchmarks/fuzz_soak.py runs thousands
+REPORT_EXAMPLES = 4  # report renders every plot: ~1 s each alone, 15 s under load
 
 hostile_leaf = (
     st.none()

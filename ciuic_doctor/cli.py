@@ -24,11 +24,15 @@ PROG = "ciuic-doctor"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's own usage errors already print one line and exit 2; keep that, add our prefix."""
+    """A usage error is one line on stderr and exit 2 (README: "one clear line"), never a usage block:
+    the line names the command and points at its --help instead."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        if message.startswith("argument ") and message.endswith("expected one argument"):
+            # `-b -1M`: argparse reads a value that starts with '-' as the next option.
+            message += " (a value that starts with '-' is written --option=VALUE)"
+        line = " ".join(f"{self.prog}: error: {message}".split())  # no newline inside the one line
+        self.exit(2, f"{line} (see {self.prog} --help)\n")
 
 
 def _command_modules() -> list[ModuleType]:
@@ -76,13 +80,34 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def _prepare_out(args: argparse.Namespace) -> None:
+    """Check `--out` before anything runs, so a refused folder costs nothing: one line, exit 2.
+
+    With --force the folder is taken now and stamped as a run, so the ranks and probes that create it
+    again later (they never see --force) find a run directory.
+    """
+    out = getattr(args, "out", None)
+    if not out or not hasattr(args, "force"):
+        return
+    from pathlib import Path
+
+    from ciuic_doctor.store import RunDir
+
+    if Path(out).exists() or args.force:  # a missing folder is made by the command, once it runs
+        RunDir.create(out, force=args.force)
+
+
 def _run_command(argv: list[str] | None) -> int:
+    from ciuic_doctor.launch import die_with_launcher
+
+    die_with_launcher()  # a rank of our launcher ends with it, even when it is killed with -9
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
     try:
+        _prepare_out(args)
         return int(args._run(args) or 0)
     except UserError as exc:
         print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)

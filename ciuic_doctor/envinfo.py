@@ -7,7 +7,9 @@ it showing in os.environ (reference/collectives.md).
 
 Redaction: a variable whose name contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL keeps its name and
 loses its value; `user:password@` inside a URL becomes `<redacted>@`; and `scrub` removes the *values* of
-such variables from any text, so a secret echoed into a log line cannot reach a run directory either.
+such variables from any text (raw or JSON-escaped), the values of secret-named command-line flags
+(`--hf-token X`, `--api-key=X`) and of secret-named assignments (`HF_TOKEN = "x"`), so a secret echoed
+into a log line, an argv or a spec cannot reach a run directory either.
 
 >>> redact_env({"HF_TOKEN": "hf_abc", "NCCL_ALGO": "Ring"})
 {'HF_TOKEN': '<redacted>', 'NCCL_ALGO': 'Ring'}
@@ -25,6 +27,7 @@ import platform
 import re
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +38,24 @@ CAPTURED_NAMES = (
     "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
 )  # fmt: skip
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s:@]+(?::[^/\s@]*)?@")
+# `user[:password]@` up to the *last* @ before the host: a password may hold an @ itself (`p@ss`), which
+# the first @ would have cut in two (`https://<redacted>@ss@host/`, issue 11). JSON escapes (`\"`) may
+# sit inside; a '/', whitespace, a quote or an angle bracket ends the authority.
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:\\.|[^/\s\"<>\\])*@")
+_SECRET_WORD = r"(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)"
+# `--hf-token VALUE`, `--api-key=VALUE`, and the same inside a JSON list (`"--hf-token","VALUE"`): an
+# argument passed only on the command line is known by its flag's name, not by any environment value.
+_SECRET_FLAG = re.compile(
+    rf"(?P<flag>(?<![\w-])--?[\w.-]*{_SECRET_WORD}[\w.-]*)(?P<sep>=|\s+|\"\s*,\s*\")"
+    r"(?P<value>(?!-)(?:\\.|[^\s\"\\])+)",
+    re.IGNORECASE,
+)
+# `HF_TOKEN = "v"` (TOML), `"HF_TOKEN": "v"` (JSON), `HF_TOKEN=v` (shell, conf, logs): a value set under a
+# secret-looking variable name anywhere, e.g. the spec's [distributed.env], never in os.environ here.
+_SECRET_ASSIGNMENT = re.compile(
+    rf"(?P<name>\b[A-Z0-9_]*{_SECRET_WORD}[A-Z0-9_]*\b)(?P<sep>\"?\s*[:=]\s*)"
+    r"(?P<value>\"(?:\\.|[^\"\\])*\"|'[^'\n]*'|(?<==)[^\s\"',;]+)"
+)
 _MIN_SECRET_LEN = 4  # shorter values ("1", "yes") would scrub ordinary text; no real secret is that short
 
 
@@ -45,7 +65,11 @@ def is_secret_name(name: str) -> bool:
 
 
 def redact_url(text: str) -> str:
-    """Replace `user[:password]@` in every URL inside `text`."""
+    """Replace `user[:password]@` in every URL inside `text`.
+
+    >>> redact_url("https://u:p@ss@host/x")
+    'https://<redacted>@host/x'
+    """
     return _URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
 
 
@@ -54,17 +78,76 @@ def redact_env(env: dict[str, str]) -> dict[str, str]:
     return {k: REDACTED if is_secret_name(k) else redact_url(v) for k, v in env.items()}
 
 
-@functools.lru_cache(maxsize=1)
-def _secret_values() -> tuple[str, ...]:
-    values = {v for k, v in os.environ.items() if is_secret_name(k) and len(v) >= _MIN_SECRET_LEN}
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the values of secret-named flags and URL credentials removed.
+
+    >>> redact_argv(["train.py", "--hf-token", "hf_abc", "--api-key=xyz", "--lr", "1"])
+    ['train.py', '--hf-token', '<redacted>', '--api-key=<redacted>', '--lr', '1']
+    """
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next and not arg.startswith("-"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        secret_flag = arg.startswith("-") and is_secret_name(flag)
+        hide_next = secret_flag and not eq
+        out.append(f"{flag}={REDACTED}" if secret_flag and eq else redact_url(arg))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _secret_values(environ_key: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """Each secret value in every form it can take in a file: raw, JSON-escaped with `\\uXXXX` (our JSON
+    lines), and JSON-escaped with the UTF-8 kept (indent=2 files). A value holding `"`, `\\` or non-ASCII
+    differs in those forms, and only the raw one was matched before (issue 11)."""
+    import json
+
+    values: set[str] = set()
+    for _, value in environ_key:
+        if len(value) >= _MIN_SECRET_LEN:
+            values |= {value, json.dumps(value)[1:-1], json.dumps(value, ensure_ascii=False)[1:-1]}
     return tuple(sorted(values, key=len, reverse=True))
 
 
+_ENVIRON_CACHE: dict[str, Any] = {"key": None, "secrets": ()}
+
+
+def _environ_secrets() -> tuple[tuple[str, str], ...]:
+    """Secret-named variables of os.environ, re-read when its size changes and at most once a second:
+    a launcher adds the spec's [distributed.env] after start, and a full scan costs ~0.1 ms, too much
+    for every record memwatch writes at 10 Hz."""
+    key = (len(os.environ), int(time.monotonic()))
+    if _ENVIRON_CACHE["key"] != key:
+        _ENVIRON_CACHE["secrets"] = tuple(sorted((k, v) for k, v in os.environ.items() if is_secret_name(k)))
+        _ENVIRON_CACHE["key"] = key
+    return _ENVIRON_CACHE["secrets"]
+
+
+def _hide_assignment(match: re.Match[str]) -> str:
+    value = match.group("value")
+    hidden = f"{value[0]}{REDACTED}{value[0]}" if value[0] in "\"'" else REDACTED
+    return f"{match.group('name')}{match.group('sep')}{hidden}"
+
+
 def scrub(text: str) -> str:
-    """Remove secret environment values and URL credentials from any text before it is written."""
-    for value in _secret_values():
+    """Remove secrets from any text before it is written: secret environment values (in raw and
+    JSON-escaped form), values of secret-named flags and variables, and URL credentials.
+
+    >>> scrub('"argv":["train.py","--hf-token","hf_abc"]')
+    '"argv":["train.py","--hf-token","<redacted>"]'
+    >>> scrub('HF_TOKEN = "hf_abc"')
+    'HF_TOKEN = "<redacted>"'
+    """
+    for value in _secret_values(_environ_secrets()):
         if value in text:
             text = text.replace(value, REDACTED)
+    upper = text.upper()
+    if any(word in upper for word in SECRET_NAME_PARTS) or "PASSWD" in upper:
+        text = _SECRET_FLAG.sub(lambda m: f"{m.group('flag')}{m.group('sep')}{REDACTED}", text)
+        text = _SECRET_ASSIGNMENT.sub(_hide_assignment, text)
     return redact_url(text) if "@" in text else text
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -39,6 +40,19 @@ def in_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def check_nproc(nproc: int, source: str = "--nproc") -> None:
+    """Refuse more local ranks than CPUs: each rank is a process with its own threads, and --nproc 999
+    started 229 ranks on 2 cores before the machine ran out of memory (issue 11). torchrun has no such
+    limit, for whoever means it."""
+    cpus = os.cpu_count() or 1
+    if nproc < 1:
+        raise UserError(f"{source} must be at least 1, not {nproc}")
+    if nproc > cpus:
+        raise UserError(
+            f"{source} {nproc}: more local ranks than this machine's {cpus} CPUs (at most {cpus})"
+        )
+
+
 def launch_local(
     nproc: int,
     argv: list[str],
@@ -52,12 +66,15 @@ def launch_local(
     Every rank gets $CIUIC_RUN_DIR=run_dir. Raises ProbeFailed naming the first rank that failed, with
     its exit code or signal; what the ranks wrote before that stays in the run directory.
     """
-    if nproc < 1:
-        raise UserError(f"--nproc must be at least 1, not {nproc}")
+    check_nproc(nproc)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).resolve())
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # a killed rank's orphans (forkserver, workers) come back to us
+    before = _descendants()  # a caller's own children are its business, not ours to end
     os.environ.update(env or {})
     # One OpenMP thread per rank unless the user says otherwise: N ranks × all cores each is the
     # oversubscription torchrun itself warns about (it sets OMP_NUM_THREADS=1 for nproc > 1).
@@ -78,6 +95,99 @@ def launch_local(
         elastic_launch(config, sys.executable)("-m", "ciuic_doctor", *argv)
     except ChildFailedError as exc:
         raise ProbeFailed(describe_failure(exc)) from None
+    except SignalException as exc:
+        # torch's agent turns Ctrl-C into SignalException, which reached the user as a traceback and
+        # exit 1; the README promises 130 and every record kept (issue 11).
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        raise Interrupted(exc.sigval) from None
+    finally:
+        reap_descendants(spare=before)
+
+
+class Interrupted(ProbeFailed):
+    """The launcher was stopped by a signal other than Ctrl-C (SIGTERM, SIGHUP): exit 128 + its number."""
+
+    def __init__(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        super().__init__(f"stopped by {name}; every record measured so far is kept")
+        self.exit_code = 128 + int(sig)
+
+
+# ---- children die with their parent ------------------------------------------------------------------
+LAUNCHER_ENV = "CIUIC_LAUNCHER_PID"  # our launcher's pid, for its ranks to die with it
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+REAP_GRACE_S = 3.0
+
+
+def _prctl(option: int, value: int) -> bool:
+    """Linux prctl(2) through libc; False where there is none (macOS) or it fails."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_launcher() -> None:
+    """In a rank our launcher started: SIGTERM this rank when the launcher dies, even by SIGKILL.
+
+    After kill -9 of `ciuic-doctor job` its ranks kept training (issue 11). SIGTERM, not SIGKILL, so the
+    rank's own exit shuts its DataLoader workers and forkserver down. A process whose parent is not the
+    launcher (a DataLoader worker inheriting the variable) is left alone; so is a rank whose launcher is
+    already gone, which exits now.
+    """
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not launcher.isdigit() or not in_torchrun():
+        return
+    if os.getppid() != int(launcher):
+        if os.getppid() == 1:  # reparented to init: the launcher died before we got here
+            os._exit(128 + signal.SIGTERM)
+        return
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died between the check and the prctl
+        os._exit(128 + signal.SIGTERM)
+
+
+def _descendants() -> set[int]:
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def reap_descendants(grace_s: float = REAP_GRACE_S, spare: set[int] | None = None) -> list[int]:
+    """End every process still below this one but those in `spare` (SIGTERM, then SIGKILL after
+    `grace_s`); their pids.
+
+    With this process a child subreaper, the orphans of a rank killed with -9 (its forkserver, resource
+    tracker, DataLoader workers) are reparented here and end with the run instead of living on.
+    """
+    try:
+        import psutil
+    except ImportError:
+        return []
+    try:
+        left = [p for p in psutil.Process().children(recursive=True) if p.pid not in (spare or set())]
+    except psutil.Error:
+        return []
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return [p.pid for p in left]
 
 
 def describe_failure(exc: Any) -> str:

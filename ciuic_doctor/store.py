@@ -14,9 +14,11 @@ variable cannot end up in a run directory even when a log line or an argv carrie
 
 >>> run = RunDir.create("/tmp/ciuic-doctest-run", exist_ok=True)
 >>> with run.writer("comm") as w:
-...     w.write({"collective": "all_reduce", "bytes": 1024})
->>> run.read("comm").records[-1]["bytes"]
-1024
+...     w.write({"collective": "all_reduce", "algo": "ring", "bytes": 1024, "time_us": 9.5, "busbw_gbps": 1})
+...     w.write({"collective": "all_reduce", "bytes": "1K"})  # off schema: counted, not returned
+>>> read = run.read("comm")
+>>> read.records[-1]["bytes"], read.invalid_records > 0
+(1024, True)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import math
 import os
 import re
 import socket
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -102,7 +105,16 @@ class JsonlWriter:
         self.path = path
         self.rank = rank
         self.host = socket.gethostname()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            # O_NONBLOCK: a FIFO planted as a stream would block the open forever; it fails below instead.
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        except OSError as exc:
+            raise UserError(f"{path}: cannot write this stream ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.close(self._fd)
+            self._fd = -1
+            raise UserError(f"{path}: exists and is not a regular file")
+        os.set_blocking(self._fd, True)
 
     def write(self, record: dict[str, Any]) -> None:
         full = {"schema": SCHEMA, "t": time.time(), "host": self.host}
@@ -125,10 +137,18 @@ class JsonlWriter:
 
 @dataclass(kw_only=True)
 class StreamRead:
-    """What a reader found: the records in file order, and how many lines it had to skip."""
+    """What a reader found: the records in file order, and what it had to skip.
+
+    `skipped_lines` counts lines that are not JSON objects (a torn last line after a crash);
+    `invalid_records` counts JSON objects that do not fit the stream's schema (ciuic_doctor.schemas), with
+    the reasons (`invalid_reasons`: reason -> count). Neither kind reaches an analysis.
+    """
 
     records: list[dict[str, Any]] = field(default_factory=list)
     skipped_lines: int = 0
+    invalid_records: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    unreadable: list[str] = field(default_factory=list)  # files that could not be read at all, with why
     files: list[Path] = field(default_factory=list)
 
     def frame(self):  # -> pandas.DataFrame
@@ -137,28 +157,110 @@ class StreamRead:
 
         return pd.DataFrame.from_records(self.records)
 
+    def merge(self, part: StreamRead) -> None:
+        self.records.extend(part.records)
+        self.skipped_lines += part.skipped_lines
+        self.invalid_records += part.invalid_records
+        for reason, count in part.invalid_reasons.items():
+            self.invalid_reasons[reason] = self.invalid_reasons.get(reason, 0) + count
+        self.unreadable += part.unreadable
+        self.files += part.files
 
-def read_jsonl(path: Path) -> StreamRead:
-    """Read one JSONL file; a line that does not parse as a JSON object is counted and skipped."""
+    def problems(self) -> str | None:
+        """One line saying what was skipped, for a command to print; None when nothing was."""
+        parts = []
+        if self.skipped_lines:
+            parts.append(f"{self.skipped_lines} unparsable line(s)")
+        if self.invalid_records:
+            worst = sorted(self.invalid_reasons.items(), key=lambda kv: -kv[1])[:3]
+            parts.append(
+                f"{self.invalid_records} record(s) off schema ("
+                + "; ".join(f"{reason} x{count}" for reason, count in worst)
+                + ")"
+            )
+        parts += self.unreadable
+        return ", ".join(parts) or None
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of a regular file; OSError for a directory, FIFO, socket or device.
+
+    O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one, issue 11).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(f"{path.name} is not a regular file")
+    return fd
+
+
+def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
+    """Read one JSONL file. A line that is not a JSON object is counted and skipped; a record that does
+    not fit `stream`'s schema (default: the stream the file name says) is counted, with its reason, and
+    skipped. A path that is not a regular file (a directory, a FIFO) reads as empty, named as unreadable."""
+    from ciuic_doctor.schemas import stream_of, validate
+
+    stream = stream or stream_of(path.name)
     result = StreamRead(files=[path])
-    with open(path, "rb") as fh:
+    try:
+        fh = os.fdopen(_open_regular(path), "rb")
+    except OSError as exc:
+        result.unreadable.append(f"{path.name} unreadable ({exc.strerror or exc})")
+        return result
+    with fh:
         for raw in fh:
             line = raw.strip()
             if not line:
                 continue
             try:
                 record = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):
                 result.skipped_lines += 1
                 continue
-            if isinstance(record, dict):
+            if not isinstance(record, dict):
+                result.skipped_lines += 1
+                continue
+            reason = validate(stream, record)
+            if reason is None:
                 result.records.append(record)
             else:
-                result.skipped_lines += 1
+                result.invalid_records += 1
+                result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + 1
     return result
 
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
+# What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints.
+_RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle)|checkpoints|checkpoint-check)$")
+
+
+def _is_our_meta(path: Path) -> bool:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return (
+        isinstance(meta, dict)
+        and isinstance(meta.get("tool"), dict)
+        and meta["tool"].get("name") == ("ciuic-doctor")
+    )
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """Names in `path` that show it is not a run directory; [] for an empty folder or a run.
+
+    A run is a folder whose meta.json ciuic-doctor wrote, or (ranks racing before meta.json) one that
+    holds only names a run directory has. Our launcher's own folder ($CIUIC_RUN_DIR) is always a run.
+    """
+    if os.environ.get(RUN_DIR_ENV) and Path(os.environ[RUN_DIR_ENV]).resolve() == path.resolve():
+        return []
+    if _is_our_meta(path / "meta.json"):
+        return []
+    try:
+        names = [entry.name for entry in os.scandir(path)]
+    except OSError:
+        return []
+    return [name for name in names if not _RUN_ENTRY.match(name)]
 
 
 class RunDir:
@@ -166,12 +268,21 @@ class RunDir:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        self.meta_problems: list[str] = []  # what read_meta had to drop, for the report to say
+        self.read_problems: dict[str, str] = {}  # stream -> what its reader skipped (StreamRead.problems)
+        self._irregular: dict[str, str] = {}  # stream -> its files that are not regular files
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 
     @classmethod
-    def create(cls, path: str | Path, *, exist_ok: bool = True) -> RunDir:
+    def create(cls, path: str | Path, *, exist_ok: bool = True, force: bool = False) -> RunDir:
+        """A run directory to write into: created if missing, reused if it is already a run.
+
+        A folder that is not empty and not a run (`--out /`, `--out ~/project`) is refused: writing there
+        merged into its meta.json, appended to its .jsonl files and let `report` overwrite its own
+        summary.md (issue 11). `force` takes it anyway and stamps meta.json, so it is a run from then on.
+        """
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise UserError(f"--out {path}: exists and is not a directory")
@@ -181,7 +292,17 @@ class RunDir:
             raise UserError(f"--out {path}: already exists") from None
         except OSError as exc:
             raise UserError(f"--out {path}: cannot create directory ({exc.strerror})") from None
-        return cls(path)
+        foreign = _foreign_entries(path)
+        if foreign and not force:
+            shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
+            raise UserError(
+                f"--out {path}: not empty and not a run directory (holds {shown}); "
+                "choose a new or empty folder, or pass --force to write there anyway"
+            )
+        run = cls(path)
+        if foreign:  # forced: from now on it is a run, for every rank and every later command
+            run.update_meta()
+        return run
 
     @classmethod
     def open(cls, path: str | Path) -> RunDir:
@@ -204,12 +325,23 @@ class RunDir:
         return JsonlWriter(path, rank=rank)
 
     def stream_files(self, name: str) -> list[Path]:
+        """The files of stream `name`: the shared one first, then per-rank files in rank order.
+
+        Only regular files: a directory or FIFO under a stream's name (a FIFO hung every reader) is left
+        out and named in `read_problems`, for every reader of the run (this one and columnar ones).
+        """
         shared = self.stream_path(name)
         ranked = sorted(
             self.path.glob(f"{name}.rank*.jsonl"),
             key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
         )
-        return ([shared] if shared.exists() else []) + ranked
+        found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
+        regular = [p for p in found if p.is_file()]
+        if len(regular) < len(found):
+            others = ", ".join(p.name for p in found if not p.is_file())
+            self._irregular[name] = f"{others} unreadable (not a regular file)"
+            self.read_problems.setdefault(name, self._irregular[name])
+        return regular
 
     def has_stream(self, name: str) -> bool:
         return bool(self.stream_files(name))
@@ -218,10 +350,10 @@ class RunDir:
         """All records of a stream (shared file first, then per-rank files in rank order)."""
         total = StreamRead()
         for path in self.stream_files(name):
-            part = read_jsonl(path)
-            total.records.extend(part.records)
-            total.skipped_lines += part.skipped_lines
-            total.files.append(path)
+            total.merge(read_jsonl(path, name))
+        problems = "; ".join(p for p in (self._irregular.get(name), total.problems()) if p)
+        if problems:
+            self.read_problems[name] = problems
         return total
 
     # ---- meta.json -----------------------------------------------------------------------------
@@ -230,12 +362,22 @@ class RunDir:
         return self.path / "meta.json"
 
     def read_meta(self) -> dict[str, Any]:
+        """meta.json as a dict; {} when missing, {"unreadable_meta": why} when it does not parse (or is a
+        directory or a FIFO). Values of the wrong type are dropped (schemas.clean_meta) and named in
+        `self.meta_problems`, so a reader's `.get()` chain never meets a list where it expects a dict."""
+        from ciuic_doctor.schemas import clean_meta
+
         try:
-            return json.loads(self.meta_path.read_text())
+            with os.fdopen(_open_regular(self.meta_path), "rb") as fh:
+                raw = json.loads(fh.read())
         except FileNotFoundError:
             return {}
-        except ValueError:
-            return {"unreadable_meta": True}
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = str(getattr(exc, "strerror", None) or exc)[:200]
+            self.meta_problems = [f"meta.json unreadable: {reason}"]
+            return {"unreadable_meta": reason}
+        meta, self.meta_problems = clean_meta(raw)
+        return meta
 
     @contextlib.contextmanager
     def _meta_lock(self) -> Iterator[None]:
@@ -288,6 +430,8 @@ class RunDir:
         from ciuic_doctor.envinfo import scrub
 
         target = self.path / name
+        if target.is_dir() and not target.is_symlink():  # rename cannot replace a directory
+            raise UserError(f"{target}: exists and is a directory; move it away and run again")
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         tmp.write_text(scrub(text))
         os.replace(tmp, target)

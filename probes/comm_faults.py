@@ -12,7 +12,8 @@ The same thread is a watchdog for hangs the backend cannot see (a stuck device s
 the timeout plus a grace period ends the process with the same diagnosis.
 
 Test hook (documented, off unless set): CIUIC_COMM_FAULT="RANK:BYTES:ACTION" makes rank RANK, before its
-first row of BYTES bytes, `exit` (os._exit(3)), `kill` (SIGKILL itself) or `hang` (block forever).
+first row of BYTES bytes, `exit` (os._exit(3)), `kill` (SIGKILL itself), `hang` (block forever, its
+heartbeat still beating) or `stop` (SIGSTOP itself: frozen whole, as `kill -STOP` leaves a process).
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ class Watch:
     timeout_s: float
     row: int = 0
     label: str = "start-up"
+    # The stall watchdog (no progress for timeout + STALL_GRACE_S ends the process): comm-bench's rows
+    # are short; the job turns it off, its start-up (model build, DataLoader workers) is not a row.
+    stall_watchdog: bool = True
+    command: str = "comm-bench"
     _last_progress: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     _reported: threading.Lock = field(default_factory=threading.Lock)
@@ -97,6 +102,7 @@ class Watch:
         with contextlib.suppress(Exception):  # the store's host may be gone: nothing to tell then
             self.store.set(f"progress/{self.rank}", f"{self.row}|{self.label}")
             self.store.set(f"beat/{self.rank}", str(self._beats))
+            self.store.set(f"pid/{self.rank}", str(os.getpid()))
 
     def _beat(self) -> None:
         stall_after = self.timeout_s + STALL_GRACE_S
@@ -105,10 +111,10 @@ class Watch:
             if self.store is not None:
                 with contextlib.suppress(Exception):
                     self.store.set(f"beat/{self.rank}", str(self._beats))
-            if time.monotonic() - self._last_progress > stall_after:
+            if self.stall_watchdog and time.monotonic() - self._last_progress > stall_after:
                 message = self.report(f"no progress for {stall_after:.0f} s")
                 if message:
-                    print(f"ciuic-doctor comm-bench: FAILED: {message}", file=sys.stderr, flush=True)
+                    print(f"ciuic-doctor {self.command}: FAILED: {message}", file=sys.stderr, flush=True)
                 os._exit(1)
 
     # ---- diagnosis ---------------------------------------------------------------------------
@@ -138,10 +144,9 @@ class Watch:
             time.sleep(HEARTBEAT_S / 2)
             now = self._read("beat")
             alive |= {r for r, v in now.items() if first.get(r) != v}
-        dead = [r for r in range(self.world_size) if r not in alive]
-        if dead:
-            who = ", ".join(self._where(r) for r in dead)
-            return f"{who} died during {self.label} (no heartbeat for {DEAD_AFTER_S:.0f} s)"
+        silent = [r for r in range(self.world_size) if r not in alive]
+        if silent:
+            return self._silent(silent)
         progress = self._read("progress")
         behind = []
         for r, value in sorted(progress.items()):
@@ -153,6 +158,39 @@ class Watch:
                 f"{'; '.join(behind)}: it never joined {self.label} within the {self.timeout_s:g} s --timeout"
             )
         return f"{self.label} failed on {self._where(self.rank)}; every rank is alive: {error}"
+
+    def _silent(self, ranks: list[int]) -> str:
+        """Ranks without a heartbeat: "died" when this host sees the process gone; else "not responding"
+        (a SIGSTOPped or frozen process beats no more either, and was called dead, issue 11). A frozen
+        rank on this host is killed, so the launcher does not wait out torch's 30 s grace for it: it cannot
+        act on the SIGTERM that stops the others."""
+        pids = self._read("pid")
+        me = self.hosts[self.rank] if self.rank < len(self.hosts) else None
+        died, frozen = [], []
+        for r in ranks:
+            pid = int(pids[r]) if pids.get(r, "").isdigit() else None
+            local = pid is not None and r < len(self.hosts) and self.hosts[r] == me
+            state = process_state(pid) if local and pid is not None else None
+            if local and state in (None, "Z", "X"):
+                died.append(r)
+                continue
+            frozen.append((r, pid if local else None, state))
+        parts = []
+        if died:
+            who = ", ".join(self._where(r) for r in died)
+            parts.append(f"{who} died during {self.label} (no heartbeat for {DEAD_AFTER_S:.0f} s)")
+        for r, pid, state in frozen:
+            how = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger"}.get(
+                state or "", "alive but frozen"
+            )
+            if pid is None:
+                why = f"no heartbeat for {DEAD_AFTER_S:.0f} s: dead or frozen"
+            else:
+                why = f"process {pid} {how}, no heartbeat for {DEAD_AFTER_S:.0f} s; killed to end the run"
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            parts.append(f"{self._where(r)} is not responding during {self.label} ({why})")
+        return "; ".join(parts)
 
     def stored_failure(self) -> str | None:
         if self.store is None:
@@ -179,6 +217,16 @@ class Watch:
             return message if current == message else None
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of a local process from /proc (R, S, D, T, t, Z, ...); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[0] if ")" in stat else None
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:300]
@@ -196,8 +244,8 @@ def fault_from_env() -> Fault | None:
     if not spec:
         return None
     rank, size, action = spec.split(":")
-    if action not in ("exit", "kill", "hang"):
-        raise ValueError(f"{FAULT_ENV}: action must be exit, kill or hang, not {action!r}")
+    if action not in ("exit", "kill", "hang", "stop"):
+        raise ValueError(f"{FAULT_ENV}: action must be exit, kill, hang or stop, not {action!r}")
     return Fault(rank=int(rank), bytes=int(size), action=action)
 
 
@@ -214,4 +262,6 @@ def inject(fault: Fault | None, rank: int, size_bytes: int) -> None:
         os._exit(3)
     if fault.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "stop":  # frozen whole, heartbeat thread included, as `kill -STOP` leaves it
+        os.kill(os.getpid(), signal.SIGSTOP)
     threading.Event().wait()  # hang: block forever, heartbeat thread still beating

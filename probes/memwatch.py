@@ -176,8 +176,10 @@ class Sampler:
             every = self.full_every.get(pid, 1)
             record = self._one(proc, take_full=(self.index + pid) % every == 0)  # pid staggers the k-th
             if record is None:
-                if pid == self.tree.root.pid:
+                if pid == self.tree.root.pid and self.tree.root_gone():
                     return None
+                if pid == self.tree.root.pid:  # unreadable this once (access denied): the watch goes on
+                    continue
                 self.tree.forget(pid)
                 self.events.write({"kind": "exit", "pid": pid, "role": self.tree.roles[pid].role})
                 continue

@@ -102,10 +102,27 @@ class ProcessTree:
         self.walk_cpu_s = 0.0
         self.exited: set[psutil.Process] = set()  # seen to exit; a zombie stays listed until reaped
 
+    def root_gone(self) -> bool:
+        """The root has exited (or is a zombie): the only reason a watch ends by itself."""
+        try:
+            return not self.root.is_running() or self.root.status() == psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return True
+
     def refresh(self) -> tuple[list[int], list[int]]:
-        """(new pids, gone pids). Raises psutil.NoSuchProcess when the root itself is gone."""
+        """(new pids, gone pids). Raises psutil.NoSuchProcess only when the root itself is gone.
+
+        A child that exits while the walk reads it raises NoSuchProcess too; that was taken for the root
+        exiting and ended the watch at once, 0-1 samples in, while the target ran on (issue 11). Such a
+        walk is skipped: the next one sees the tree as it is.
+        """
         start = time.thread_time()
-        found = [self.root, *self.root.children(recursive=True)]
+        try:
+            found = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            if self.root_gone():
+                raise
+            return [], []
         self.walk_cpu_s = time.thread_time() - start  # the walk alone: naming new processes is once each
         mine = os.getpid()
         alive: dict[int, psutil.Process] = {}
@@ -122,9 +139,18 @@ class ProcessTree:
         for pid in gone:
             del self.procs[pid]
         new.sort(key=lambda pid: (_create_time(alive[pid]), pid))  # parents before their children
+        named = []
         for pid in new:
+            try:
+                role = self._role(alive[pid])
+            except psutil.NoSuchProcess:  # gone between the walk and its naming: never part of the tree
+                if pid == self.root.pid:
+                    raise
+                continue
             self.procs[pid] = alive[pid]
-            self.roles[pid] = self._role(alive[pid])
+            self.roles[pid] = role
+            named.append(pid)
+        new = named
         self._relabel_root()
         return new, gone
 

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 MAX_POINTS = 200
 OUTLIER_MADS = 4.0  # a residual beyond 4 robust σ (1.4826 × MAD) is an outlier, left out of R²
+# A single step (two flat levels) must leave at most this share of the line's squared residuals to be the
+# better account of a series: a steady leak leaves a step 4x the line's, a one-time jump the reverse.
+SHIFT_SSE_RATIO = 0.5
 
 
 @dataclass(kw_only=True)
@@ -93,4 +96,61 @@ def robust_trend(x: Sequence[float], y: Sequence[float]) -> Trend | None:
         x_last=x_last,
         y_start=slope * x_first + intercept,
         y_end=slope * x_last + intercept,
+    )
+
+
+@dataclass(kw_only=True)
+class LevelShift:
+    """A series better told as two flat levels than as a line: a one-time jump (an epoch boundary's
+    buffers, a lazily built cache), not a leak. mnist's jump between epochs was called a leak (issue 11).
+    """
+
+    at_x: float  # first x of the upper level
+    before: float  # median level before
+    after: float  # median level after
+    sse_ratio: float  # two-level squared residuals / the line's
+
+    @property
+    def jump(self) -> float:
+        return self.after - self.before
+
+
+def level_shift(x: Sequence[float], y: Sequence[float], line: Trend) -> LevelShift | None:
+    """The best single step of `y` against `x` when it explains the series at least twice as well as
+    `line` (SHIFT_SSE_RATIO) with at least 3 points on each side; else None.
+
+    >>> xs = list(range(20))
+    >>> shift = level_shift(xs, [100] * 10 + [160] * 10, robust_trend(xs, [100] * 10 + [160] * 10))
+    >>> shift.at_x, shift.jump
+    (10.0, 60.0)
+    >>> level_shift(xs, [100 + 3 * v for v in xs], robust_trend(xs, [100 + 3 * v for v in xs])) is None
+    True
+    """
+    import numpy as np
+
+    xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    keep = np.isfinite(xa) & np.isfinite(ya)
+    xa, ya = _binned(xa[keep], ya[keep])
+    order = np.argsort(xa, kind="stable")
+    xa, ya = xa[order], ya[order]
+    n = len(ya)
+    if n < 6:
+        return None
+    line_sse = float(np.sum((ya - (line.slope * xa + line.intercept)) ** 2))
+    csum, csq = np.cumsum(ya), np.cumsum(ya**2)
+    k = np.arange(3, n - 2)  # split before index k: 3 or more points each side
+    left_sse = csq[k - 1] - csum[k - 1] ** 2 / k
+    right_n = n - k
+    right_sum, right_sq = csum[-1] - csum[k - 1], csq[-1] - csq[k - 1]
+    right_sse = right_sq - right_sum**2 / right_n
+    total = left_sse + right_sse
+    best = int(np.argmin(total))
+    split, step_sse = int(k[best]), max(float(total[best]), 0.0)
+    if line_sse <= 0 or step_sse > SHIFT_SSE_RATIO * line_sse:
+        return None
+    return LevelShift(
+        at_x=float(xa[split]),
+        before=float(np.median(ya[:split])),
+        after=float(np.median(ya[split:])),
+        sse_ratio=step_sse / line_sse,
     )

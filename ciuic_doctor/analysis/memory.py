@@ -33,13 +33,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
+from typing import Any
 
 from ciuic_doctor.analysis._memory_steps import StepColumns, binned
-from ciuic_doctor.analysis._trend import Trend, robust_trend
+from ciuic_doctor.analysis._trend import Trend, level_shift, robust_trend
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import RunDir, as_float
 
@@ -164,7 +161,38 @@ def _warm(series: Series) -> Series:
 
 def _trend(series: Series) -> Trend | None:
     warm = _warm(series)
-    return robust_trend(*binned(warm.x, warm.y)) if len(warm.x) >= MIN_POINTS else None
+    # Steady points, not samples: memwatch's 10 Hz samples of a 4-step checkup were hundreds of points on
+    # a 4-step span of start-up growth, and called a leak (issue 11). Against steps the span itself must
+    # cover MIN_POINTS steps after the warm-up; too few is not_run.
+    if len(set(warm.x)) < MIN_POINTS:
+        return None
+    if series.x_unit == "step" and max(warm.x) - min(warm.x) < MIN_POINTS - 1:
+        return None
+    return robust_trend(*binned(warm.x, warm.y))
+
+
+def _level_shift_finding(series: Series, trend: Trend, label: str, fields: dict[str, Any]) -> Finding | None:
+    """pass (or not_run) when the growth is one jump between flat levels: a level shift is not a leak."""
+    warm = _warm(series)
+    shift = level_shift(warm.x, warm.y, trend)
+    if shift is None:
+        return None
+    after = [(x, y) for x, y in zip(warm.x, warm.y, strict=True) if x >= shift.at_x]
+    said = f"one-time level shift of {shift.jump / MIB:+.1f} MiB at {series.x_unit} {shift.at_x:g}"
+    evidence = {**fields, "level_shift_bytes": round(shift.jump), "level_shift_at": shift.at_x}
+    if len({x for x, _ in after}) < MIN_POINTS:
+        summary = f"{label}: {said}; too few points after it (< {MIN_POINTS}) to judge a leak"
+        return _not_run("memory_leak", summary, **evidence)
+    later = robust_trend([x for x, _ in after], [y for _, y in after])
+    if later is not None and _grows(later, LEAK_MIN_BYTES):
+        return None  # it jumped and still grows: judged as a leak below
+    return Finding(
+        probe=PROBE,
+        check="memory_leak",
+        verdict="pass",
+        summary=f"{label} ({series.metric}): {said}, flat after it: not a leak",
+        evidence=evidence,
+    )
 
 
 def _grows(trend: Trend, min_bytes: float) -> bool:
@@ -352,6 +380,11 @@ def _leak_finding(
         "level_end_bytes": round(trend.y_end),
         f"{'steps' if unit == 'step' else 'seconds'}_observed": round(trend.x_last - trend.x_first, 2),
     }
+    if _grows(trend, LEAK_MIN_BYTES) and (
+        shifted := _level_shift_finding(series, trend, f"rank {rank} {kind} memory", evidence)
+    ):
+        shifted.where = where
+        return shifted
     if not _grows(trend, LEAK_MIN_BYTES):
         return Finding(
             probe=PROBE,

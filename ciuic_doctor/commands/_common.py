@@ -1,33 +1,86 @@
-"""Argument helpers shared by several sub-commands."""
+"""Argument helpers shared by several sub-commands.
+
+Every number a user types is checked here, once, with one clear line when it is wrong: `inf`, `nan` and
+`1e308` are refused before they reach `time.sleep`, `timedelta` or a size loop, where they raised
+OverflowError (issue 11).
+
+>>> positive_float("0.5")
+0.5
+>>> positive_float("inf")
+Traceback (most recent call last):
+argparse.ArgumentTypeError: must be a finite number, got 'inf'
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+
+# The largest number any option takes: 1e9 s is 31 years, 1e9 steps or calls more than any run makes.
+# Larger values only ever overflowed (timedelta(seconds=1e308), time.sleep(1e308)).
+MAX_OPTION_VALUE = 1e9
 
 
 def add_out(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         metavar="RUN",
-        help="run directory to write into (default: reports/<time>-<command>; created if missing)",
+        help="run directory to write into (default: reports/<time>-<command>; created if missing). "
+        "A folder that is not empty and not a run directory is refused unless --force",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into --out even when it is a non-empty folder that is not a run directory "
+        "(its files with run-directory names, such as summary.md or report.html, may be replaced)",
     )
 
 
-def positive_int(text: str) -> int:
+def _checked(value: float, text: str, *, minimum: float, inclusive: bool) -> None:
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    if value > MAX_OPTION_VALUE:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_OPTION_VALUE:g}, got {text}")
+    if value < minimum or (value == minimum and not inclusive):
+        bound = f"at least {minimum:g}" if inclusive else f"greater than {minimum:g}"
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+
+
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    _checked(value, text, minimum=minimum, inclusive=True)
     return value
 
 
-def positive_float(text: str) -> float:
+def positive_int(text: str) -> int:
+    """A whole number from 1 to 1e9."""
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number from 0 to 1e9."""
+    return _whole(text, 0)
+
+
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+
+
+def positive_float(text: str) -> float:
+    """A finite number greater than 0 and at most 1e9 (`inf`, `nan`, `1e308` are refused)."""
+    value = _float(text)
+    _checked(value, text, minimum=0.0, inclusive=False)
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number from 0 to 1e9."""
+    value = _float(text)
+    _checked(value, text, minimum=0.0, inclusive=True)
     return value

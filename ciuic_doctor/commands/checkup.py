@@ -221,25 +221,36 @@ class Checkup:
         return phase
 
 
+def parse_skip(text: str, phases: tuple[str, ...]) -> set[str]:
+    """--skip's phases; an unknown one is a usage error (`--skip foo` was ignored and every phase ran)."""
+    from ciuic_doctor.errors import UserError
+
+    skip = {s.strip() for s in text.split(",") if s.strip()}
+    if unknown := sorted(skip - set(phases)):
+        raise UserError(f"--skip: unknown phase(s) {', '.join(unknown)}; choose from {','.join(phases)}")
+    return skip
+
+
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.commands import _checkup_script
+    from ciuic_doctor.errors import UserError
 
     if script := _checkup_script.script_argv(args):  # issue 14: the user's own script
         return _checkup_script.run(args, script)
     if args.dataset:
-        from ciuic_doctor.errors import UserError
-
         raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")
     from ciuic_doctor.jobs.spec import load_spec
+    from ciuic_doctor.launch import check_nproc
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
 
+    skip = parse_skip(args.skip, ("comm-bench", "loader-sweep", "job", "memwatch", "checkpoint-check"))
     spec = load_spec(args.spec)
     baseline = RunDir.open(args.baseline) if args.baseline else None  # a wrong path fails before measuring
+    nproc = args.nproc or spec.job.procs_per_node
+    check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
-    nproc = args.nproc or spec.job.procs_per_node
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     spec_args = ["--spec", str(Path(args.spec).resolve())] if args.spec else []
     started = time.perf_counter()
     run_dir.record_environment()

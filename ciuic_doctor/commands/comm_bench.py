@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.commands._common import add_out, non_negative_int, positive_float, positive_int
 
 NAME = "comm-bench"
 HELP = "nccl-tests-style collective benchmark (busbw, #wrong, ring vs tree) under torchrun"
@@ -71,6 +71,35 @@ def _parse(args: argparse.Namespace) -> None:
         raise UserError(f"--root must be a rank (0 or more), got {args.root}")
 
 
+def check_fits(max_bytes: int, world: int, local_ranks: int) -> None:
+    """Refuse a size whose buffers cannot fit this host's memory (on CPU, where gloo puts them).
+
+    A rank holds about (world + 2) x the size at once (all_gather's output is world x the input, plus
+    input and a check copy); `-e 1000T` grew to 8.5 GB before it died (issue 11). On GPUs the buffers are
+    on the device; NCCL reports its own out-of-memory.
+    """
+    import torch
+
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.units import format_bytes
+
+    if torch.cuda.is_available():
+        return
+    try:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    except (ImportError, OSError):
+        return
+    need = max_bytes * (world + 2) * local_ranks
+    if need > available:
+        raise UserError(
+            f"--max-bytes {format_bytes(max_bytes)}: {local_ranks} rank(s) would need about "
+            f"{format_bytes(need)} of host memory ({world} + 2 buffers each); {format_bytes(available)} is "
+            "available"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes = parser.add_argument_group("sizes (K/M/G are powers of 1024, as in nccl-tests)")
     sizes.add_argument("-b", "--min-bytes", default="1K", metavar="SIZE", help="default 1K")
@@ -100,10 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="NCCL_ALGO values to compare for all_reduce, each in a fresh communicator "
         "(default ring,tree on NCCL; 'default' = NCCL's own choice; gloo has one algorithm)",
     )
-    what.add_argument("--root", type=int, default=0, help="broadcast root rank (default 0)")
+    what.add_argument("--root", type=non_negative_int, default=0, help="broadcast root rank (default 0)")
     timing = parser.add_argument_group("timing")
     timing.add_argument(
-        "-w", "--warmup", type=int, default=2, metavar="N", help="warm-up calls per size (default 2)"
+        "-w",
+        "--warmup",
+        type=non_negative_int,
+        default=2,
+        metavar="N",
+        help="warm-up calls per size (default 2)",
     )
     timing.add_argument(
         "-n",
@@ -195,6 +229,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.root >= world:
         raise UserError(f"--root {args.root} is not a rank of this {world}-rank job")
+    check_fits(args.max_bytes, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     cfg = BenchConfig(
         collectives=args.collectives,
         min_bytes=args.min_bytes,
@@ -222,14 +257,16 @@ def _run_rank(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace) -> int:
     from ciuic_doctor.errors import ProbeFailed
-    from ciuic_doctor.launch import launch_local
+    from ciuic_doctor.launch import check_nproc, launch_local
     from ciuic_doctor.store import RunDir, default_run_path
 
     nproc = args.nproc or _default_nproc()
+    check_nproc(nproc)
     if args.root >= nproc:
         from ciuic_doctor.errors import UserError
 
         raise UserError(f"--root {args.root} is not a rank of a {nproc}-rank run")
+    check_fits(args.max_bytes, nproc, nproc)
     run = RunDir.create(default_run_path(NAME, args.out))
     try:
         launch_local(nproc, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})

@@ -76,11 +76,16 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any]:
 
     spec = load_spec(args.spec)
     updates: dict[str, Any] = {}
+    set_keys = []
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set batch.per_process=4")
         updates[key.strip()] = _parse_value(value.strip())
+        set_keys.append(key.strip())
+    if updates:  # --set values first, on their own, so a bad one is blamed on --set, not on the spec
+        spec = with_updates(spec, updates, origin="--set " + ", ".join(set_keys))
+        updates = {}
     if args.precision:
         updates["precision.mode"] = args.precision
     if args.steps:
@@ -114,7 +119,7 @@ def _child_argv(args: argparse.Namespace, run_path: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.launch import in_torchrun
+    from ciuic_doctor.launch import check_nproc, in_torchrun
 
     spec, options = resolve(args)
     if in_torchrun():
@@ -122,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_job(spec, options)
     nproc = args.nproc or spec.job.procs_per_node
+    check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     options.injections.check(world=nproc, precision=spec.precision.mode)
     if nproc == 1:
         from ciuic_doctor.jobs.train import run_job
@@ -139,10 +145,20 @@ def run(args: argparse.Namespace) -> int:
         resolve_resume(options.resume)
     run_dir = RunDir.create(default_run_path("job", args.out))
     print(f"launching {nproc} local ranks -> {run_dir.path}", flush=True)
+    from ciuic_doctor.errors import ProbeFailed
+    from ciuic_doctor.jobs.liveness import PARENT_ENV
+
+    env = {**spec.distributed.env, PARENT_ENV: "1"}
     try:
-        launch_local(
-            nproc, _child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env=spec.distributed.env
-        )
+        launch_local(nproc, _child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env=env)
+    except ProbeFailed:
+        # A survivor named the dead or hung rank in meta.json; its words say more than the launcher's
+        # "rank 1 failed (killed by signal SIGKILL)" about a rank it had to kill.
+        entry = run_dir.read_meta().get("probes", {}).get("job", {})
+        run_dir.record_probe("job", **{**entry, "status": "failed", "nproc": nproc})
+        if entry.get("message"):
+            raise ProbeFailed(f"{entry['message']}; records in {run_dir.path}") from None
+        raise
     except BaseException:
         run_dir.record_probe("job", status="failed", nproc=nproc)
         raise

@@ -16,21 +16,11 @@ import os
 import signal
 import sys
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.commands._common import add_out, non_negative_float, positive_float, positive_int
 
 NAME = "loader-sweep"
 HELP = "measure num_workers / prefetch_factor / pin_memory for your dataset within a CPU and time budget"
 ORDER = 50
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +99,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_out(parser)
 
 
-def parse_int_list(text: str, option: str, minimum: int) -> list[int]:
+# More workers than this is a typo, not a sweep: each is a process (~100 MB), and 500 of them exhausted
+# this 2-core machine before the first batch (issue 11).
+MAX_WORKERS_PER_CPU = 8
+MAX_WORKERS_FLOOR = 32
+
+
+def max_workers() -> int:
+    return max(MAX_WORKERS_FLOOR, MAX_WORKERS_PER_CPU * (os.cpu_count() or 1))
+
+
+def parse_int_list(text: str, option: str, minimum: int, maximum: int | None = None) -> list[int]:
     """`0,1,2` or `0-4` or both (`0-2,4,8`), sorted and without repeats; UserError on anything else."""
     from ciuic_doctor.errors import UserError
 
@@ -118,14 +118,23 @@ def parse_int_list(text: str, option: str, minimum: int) -> list[int]:
         part = raw.strip()
         try:
             if "-" in part[1:]:
-                low, high = part.split("-", 1)
-                values.update(range(int(low), int(high) + 1))
+                low, high = (int(v) for v in part.split("-", 1))
+                if low > high:
+                    raise UserError(f"{option} {text!r}: range {part} runs backwards; write {high}-{low}")
+                if high - low > 10_000:
+                    raise UserError(f"{option} {text!r}: range {part} is too long")
+                values.update(range(low, high + 1))
             else:
                 values.add(int(part))
         except ValueError:
             raise UserError(f"{option} {text!r}: expected whole numbers like 0,1,2 or 0-4") from None
-    if not values or min(values) < minimum:
+    if not values:
+        raise UserError(f"{option} {text!r}: expected whole numbers like 0,1,2 or 0-4")
+    if min(values) < minimum:
         raise UserError(f"{option} {text!r}: values must be {minimum} or more")
+    if maximum is not None and max(values) > maximum:
+        why = f": {MAX_WORKERS_PER_CPU} per CPU, {os.cpu_count()} CPUs" if option == "--workers" else ""
+        raise UserError(f"{option} {text!r}: {max(values)} is too many (at most {maximum}{why})")
     return sorted(values)
 
 
@@ -143,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
     if synthetic and sample_bytes < 1:
         raise UserError("--sample-bytes must be at least 1 byte")
     spec = load_spec(args.spec)
-    workers = parse_int_list(args.workers, "--workers", 0) if args.workers else None
-    prefetch = parse_int_list(args.prefetch, "--prefetch", 1)
+    workers = parse_int_list(args.workers, "--workers", 0, max_workers()) if args.workers else None
+    prefetch = parse_int_list(args.prefetch, "--prefetch", 1, 1024)
     env_lws = os.environ.get("LOCAL_WORLD_SIZE", "")
     lws = args.local_world_size or (int(env_lws) if env_lws.isdigit() and int(env_lws) > 0 else None)
     lws = lws or spec.job.procs_per_node

@@ -18,9 +18,11 @@ checkpoint-check measures.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,9 +177,18 @@ def load_checkpoint(path: Path, trainer: Trainer) -> LoadTiming:
     """Restore `trainer` from `path` on this rank (every rank reads the file itself)."""
     start = time.perf_counter()
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise UserError(f"--resume {path}: cannot load ({exc})") from None
+        with warnings.catch_warnings():  # torch's note on a foreign pickle protocol: noise before our line
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # weights_only refused to run what the pickle asks for (a malicious file): safe, and one line
+        raise UserError(
+            f"--resume {path}: refused: its pickle calls code a safe load (weights_only) does not run; "
+            "not a checkpoint of the embedded job"
+        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"--resume {path}: cannot load ({first})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UserError(f"--resume {path}: not a checkpoint of the embedded job")
     trainer.load_state_dict(state)

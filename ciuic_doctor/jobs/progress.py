@@ -64,6 +64,7 @@ class JobProgress:
         self.losses: list[float] = []
         self._start = time.perf_counter()
         self._finished = False
+        self._failure: str | None = None  # the one line naming a dead or hung rank (jobs/liveness.py)
 
     def _print(self, text: str) -> None:
         if self.lead:
@@ -167,9 +168,14 @@ class JobProgress:
             f"records in {self.run.path if self.run else '-'}"
         )
 
+    def failed(self, message: str | None) -> None:
+        """A peer died or stopped responding: `message` names it (recorded by close)."""
+        self._failure = message
+
     def close(self) -> None:
-        if not self._finished and self.lead and self.run is not None:
-            self.run.record_probe("job", status="failed")  # the records up to here stay
+        failure = {"message": self._failure} if self._failure else {}
+        if not self._finished and (self.lead or failure) and self.run is not None:
+            self.run.record_probe("job", status="failed", **failure)  # the records up to here stay
         if self.session is not None:
             self.session.close()
             self.session = None

@@ -314,7 +314,9 @@ class JobOptions:
 
 def run_job(spec: JobSpec, options: JobOptions) -> int:
     """Train `spec` in this process (one rank of torchrun, or a world of one); returns the exit code."""
+    from ciuic_doctor.errors import ProbeFailed
     from ciuic_doctor.jobs import checkpoint as ckpt
+    from ciuic_doctor.jobs import liveness
     from ciuic_doctor.jobs.progress import JobProgress
 
     total_steps = spec.job.steps
@@ -323,6 +325,7 @@ def run_job(spec: JobSpec, options: JobOptions) -> int:
     resume = ckpt.resolve_resume(options.resume) if options.resume else None
     world = setup_distributed(spec)
     progress = JobProgress(spec=spec, world=world, options=options)
+    watch = liveness.start_watch(world.rank, world.world, spec.distributed.timeout_s)
     try:
         options.injections.check(world=world.world, precision=spec.precision.mode)
         run = progress.open_run()
@@ -334,13 +337,25 @@ def run_job(spec: JobSpec, options: JobOptions) -> int:
         directory = run.path / "checkpoints"
         every = spec.checkpoint.every_steps
         while trainer.step < total_steps:
+            if watch is not None:
+                watch.step(f"step {trainer.step + 1}")
             elapsed = trainer.train_step()
             progress.stepped(trainer, elapsed)
             if every and trainer.step % every == 0:
                 progress.saved(ckpt.save_checkpoint(trainer, directory, keep=spec.checkpoint.keep))
         progress.finished(trainer)
         trainer.close()
+    except (RuntimeError, liveness.Terminated) as exc:
+        if watch is None or not liveness.is_peer_failure(exc):
+            raise
+        message = liveness.report(watch, exc)
+        progress.failed(message or watch.stored_failure())
+        if message and not liveness.parent_reports():
+            raise ProbeFailed(message) from None
+        return 1
     finally:
+        if watch is not None:
+            watch.stop()
         progress.close()
         if world.backend is not None and dist.is_initialized():
             dist.destroy_process_group()

@@ -11,6 +11,7 @@ secret values from every byte).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,11 @@ def needs_analysis(run: RunDir) -> bool:
     from ciuic_doctor.analysis import FINDINGS_FILE
 
     findings = run.path / FINDINGS_FILE
-    if not findings.exists():
+    if not findings.is_file():
+        return True
+    try:
+        json.loads(findings.read_text())
+    except (OSError, ValueError):  # torn or tampered: analyse again rather than report nothing
         return True
     newest = max((p.stat().st_mtime for p in run.path.glob("*.jsonl")), default=0.0)
     return newest > findings.stat().st_mtime

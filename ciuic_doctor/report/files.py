@@ -8,6 +8,8 @@ out of its line.
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 import textwrap
 import time
@@ -22,8 +24,28 @@ from ciuic_doctor.seed_tips import Tip
 
 
 def _comment(text: str, width: int = 100) -> list[str]:
-    flat = " ".join(str(text).split())  # no newline can end the comment early
+    flat = " ".join(_one_line(text).split())  # no newline or control character can end the comment early
     return ["# " + line for line in textwrap.wrap(flat, width - 2)] or ["#"]
+
+
+# A shell variable name (POSIX): anything else cannot follow `export` and is refused, not quoted.
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BARE_TOML_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: JSON's escapes (\\", \\\\, \\n, \\uXXXX) are TOML's too, so no value can
+    end its line or its quotes (a newline in a name made recommended.toml invalid, issue 11)."""
+    return json.dumps(value)
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_TOML_KEY.match(key) else _toml_string(key)
+
+
+def _one_line(text: object) -> str:
+    """Text for a comment: every newline and control character becomes a space."""
+    return "".join(ch if ch.isprintable() else " " for ch in str(text))
 
 
 def applied(plan: Plan) -> Plan:
@@ -33,7 +55,7 @@ def applied(plan: Plan) -> Plan:
 
 def env_text(plan: Plan, *, job: str, run: str) -> str:
     lines = [
-        f"# ciuic-doctor: recommended environment for {job} (run {run}).",
+        *_comment(f"ciuic-doctor: recommended environment for {job} (run {run})."),
         "# Source it before launching: `source recommended.env && torchrun ...`. Only settings with a",
         "# measurement behind them; each says why.",
     ]
@@ -47,6 +69,8 @@ def env_text(plan: Plan, *, job: str, run: str) -> str:
         lines += _comment(f"{rec.setting} {state} (confidence {rec.confidence}): {rec.why}")
         if not measured:
             lines.append("# (advice only: nothing was measured that this could follow from)")
+        elif not _ENV_NAME.match(rec.setting):  # never a live line from a name we cannot quote
+            lines.append("# (not exported: the name is not a valid environment variable name)")
         elif rec.value is None:
             lines.append(f"unset {rec.setting}")
         else:
@@ -67,22 +91,26 @@ def toml_changes(spec: JobSpec, plan: Plan) -> str:
         section, key = rec.setting.split(".", 1)
         value = rec.value
         if value is None:  # TOML has no null: the key goes (e.g. prefetch_factor with num_workers = 0)
-            by_section.setdefault(section, []).append(f"# remove {key}   (was {show_value(rec.current)})")
+            by_section.setdefault(section, []).append(
+                f"# remove {_one_line(key)}   (was {_one_line(show_value(rec.current))})"
+            )
             continue
         shown = (
             ("true" if value else "false")
             if isinstance(value, bool)
             else (
-                f'"{value}"'
+                _toml_string(value)
                 if isinstance(value, str)
                 else f"{value:g}"
                 if isinstance(value, float)
                 else str(value)
             )
         )
-        by_section.setdefault(section, []).append(f"{key} = {shown}   # was {show_value(rec.current)}")
+        by_section.setdefault(section, []).append(
+            f"{_toml_key(key)} = {shown}   # was {_one_line(show_value(rec.current))}"
+        )
     env = [
-        f'{r.setting} = "{r.value}"'
+        f"{_toml_key(r.setting)} = {_toml_string(str(r.value))}"
         for r in applied(plan).recommendations
         if setting_kind(r.setting) == "env" and r.value is not None and is_change(r)
     ]
@@ -95,7 +123,7 @@ def toml_changes(spec: JobSpec, plan: Plan) -> str:
     for section, entries in by_section.items():
         lines += [f"[{section}]", *entries, ""]
     if env or removed:
-        lines += ["[distributed.env]", *env, *[f"# remove {name}" for name in removed], ""]
+        lines += ["[distributed.env]", *env, *[f"# remove {_one_line(name)}" for name in removed], ""]
     return "\n".join(lines).strip() + "\n" if lines else "# the job spec needs no change\n"
 
 
@@ -171,8 +199,12 @@ def summary_md(
 
 
 def spec_toml(spec: JobSpec, plan: Plan, *, run: str) -> str:
-    header = (
-        f"# ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied.\n"
-        "# Use it with `ciuic-doctor job --spec recommended.toml`; see recommendations.json for the why.\n\n"
+    header = "\n".join(
+        [
+            *_comment(f"ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied."),
+            "# Use it with `ciuic-doctor job --spec recommended.toml`; see recommendations.json for the why.",
+            "",
+            "",
+        ]
     )
     return header + dump_spec(recommended_spec(spec, plan))

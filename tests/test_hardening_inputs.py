@@ -197,3 +197,25 @@ def test_report_html_that_is_a_directory_is_one_line(cli, tmp_path):
     line = one_line_exit_2(cli("report", str(run.path), timeout=120))
     assert "report.html" in line
     assert "is a directory" in line
+
+
+@pytest.mark.parametrize("fmt", [[], ["--format", "megatron"]])
+def test_a_fifo_given_as_a_log_is_one_line_not_a_hang(capsys, tmp_path, fmt):
+    fifo = tmp_path / "train.log"
+    os.mkfifo(fifo)  # no writer: reading it would block forever
+    line = one_line_exit_2(in_process(capsys, "stability", str(fifo), *fmt))
+    assert "not a regular file" in line
+
+
+def test_a_1e308_loss_is_said_in_a_few_digits():
+    """A diverging loss that reaches 1e308 printed a 300-digit ratio in the summary."""
+    import numpy as np
+
+    from ciuic_doctor.analysis.stability import analyze_log
+    from ciuic_doctor.importers import StepLog, normalize
+
+    steps = np.arange(1, 201)
+    loss = np.where(steps < 150, 3.0 - steps / 100, 10.0 ** (1 + (steps - 150) * 6.1))
+    log = StepLog(table=normalize({"step": steps, "loss": loss}, source="test"))
+    summaries = " ".join(f.summary for f in analyze_log(log))
+    assert max(len(word) for word in summaries.split()) < 40, summaries

@@ -65,6 +65,11 @@ def _g(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _times(ratio: float) -> str:
+    """A ratio for a sentence: 3 significant digits, so a 1e308 loss is "1e+308×", not 300 digits."""
+    return f"{ratio:.3g}×"
+
+
 # ---- spikes and divergence ---------------------------------------------------------------------
 
 
@@ -90,7 +95,7 @@ def divergence(curve: Curve) -> tuple[Divergence | None, list[Finding]]:
                         final_loss=found.final, ratio=found.ratio)  # fmt: skip
         onset = found.onset_step
         summary = (
-            f"loss diverged from step {onset}: it ends at {_g(found.final)}, {found.ratio:.2f}× its best "
+            f"loss diverged from step {onset}: it ends at {_g(found.final)}, {_times(found.ratio)} its best "
             f"{_g(found.best)}, and does not come back"
         )
     else:
@@ -159,7 +164,7 @@ def _outlier_finding(outliers: list[Spike]) -> Finding:
         "grad_norm_led": False,
     }
     summary = (
-        f"{len(outliers)} short loss outlier(s) up to {worst.magnitude:.2f}× (at steps "
+        f"{len(outliers)} short loss outlier(s) up to {_times(worst.magnitude)} (at steps "
         f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}): each back within "
         f"{OUTLIER_MAX_POINTS} logged points, with no grad-norm spike before or with it; they look like hard "
         "batches, not instability"
@@ -191,7 +196,7 @@ def _spike_findings(
     for spike in shown:
         evidence = spike.to_evidence()
         summary = (
-            f"{name} spiked {spike.magnitude:.2f}× at step {spike.start_step} (baseline "
+            f"{name} spiked {_times(spike.magnitude)} at step {spike.start_step} (baseline "
             f"{_g(spike.baseline)}, peak {_g(spike.peak)} at step {spike.peak_step}); "
         )
         if spike.recovered_after_steps is None:

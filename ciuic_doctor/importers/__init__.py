@@ -204,6 +204,8 @@ def sniff(path: str | Path) -> str:
         return _sniff_dir(path)
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
+    if not path.is_file():  # a FIFO or a device would block the read forever
+        raise UserError(f"{path}: not a regular file (a pipe or device cannot be read as a log)")
     name = path.name.lower()
     if name.endswith(".jsonl"):
         return "ours"
@@ -283,6 +285,8 @@ def _load_one(path: Path, fmt: str) -> StepLog:
     kind = sniff(path) if fmt == "auto" else fmt
     if not path.exists():
         raise UserError(f"{path}: no such file or directory")
+    if not path.is_file() and not path.is_dir():  # a FIFO named with --format: a read would block forever
+        raise UserError(f"{path}: not a regular file (a pipe or device cannot be read as a log)")
     module = importlib.import_module(f"{__name__}.{kind}")
     try:
         part = module.load(path)

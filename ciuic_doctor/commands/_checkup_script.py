@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.commands.checkup import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup
+from ciuic_doctor.commands.checkup import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
 
 OBSERVED_SPEC = "checkup-observed.toml"  # the observed job as a spec file, for loader-sweep's --spec
 PHASES = ("comm-bench", "job", "memwatch", "loader-sweep", "checkpoint-check")
@@ -32,13 +32,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from ciuic_doctor.probes.watch_target import check_target  # no torch: refuse a bad target first
 
     check_target(argv)
+    from ciuic_doctor.launch import check_nproc
     from ciuic_doctor.store import RunDir, default_run_path
 
+    skip = parse_skip(args.skip, PHASES)
+    nproc = args.nproc or 1
+    check_nproc(nproc, "--nproc")
     baseline = RunDir.open(args.baseline) if args.baseline else None  # a wrong path fails before measuring
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
-    nproc = args.nproc or 1
-    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     started = time.perf_counter()
     run_dir.record_environment()
     run_dir.update_meta(checkup={"phases": [], "script": argv, "nproc": nproc})

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ciuic_doctor.envinfo import REDACTED, is_secret_name, redact_url, scrub
+from ciuic_doctor.envinfo import redact_env
 
 OBSERVED_SCHEMA = 1
 # The variables a job sets to tune its collectives (the spec's [distributed.env]); launcher-set ones
@@ -444,39 +444,17 @@ def _constructor_frame(cls: type) -> Any:
 
 
 def _distributed_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)}
-    return {k: REDACTED if is_secret_name(k) else redact_url(v) for k, v in sorted(env.items())}
-
-
-def redact_argv(argv: list[str]) -> list[str]:
-    """argv with secret-named options' values replaced (`--hf-token X`, `--api_key=X`) and URL credentials
-    removed (envinfo's rules).
-
-    >>> redact_argv(["train.py", "--hf_token", "abc123", "--lr=3e-4", "--api-key=zzz", "s3://u:p@host/x"])
-    ['train.py', '--hf_token', '<redacted>', '--lr=3e-4', '--api-key=<redacted>', 's3://<redacted>@host/x']
-    """
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next and not arg.startswith("-"):
-            out.append(REDACTED)
-            hide_next = False
-            continue
-        hide_next = False
-        name, eq, _value = arg.partition("=")
-        if arg.startswith("-") and is_secret_name(name.replace("-", "_")):
-            if eq:
-                out.append(f"{name}={REDACTED}")
-            else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(scrub(redact_url(arg)))
-    return out
+    return redact_env({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
 
 
 def script_name(argv: list[str]) -> str:
-    """What the report calls the job: the script's file name, or the module's name for `-m`."""
+    """What the report calls the job: the script's file name, or the module's name for `-m`.
+
+    >>> script_name(["runs/train.py", "--lr", "3e-4"])
+    'train.py'
+    >>> script_name(["/site-packages/mypkg/__main__.py", "train"])
+    'mypkg train'
+    """
     if not argv:
         return "script"
     path = Path(argv[0])

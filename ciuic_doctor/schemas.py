@@ -38,8 +38,9 @@ OPT_NUMBERS = frozenset({"numbers", "null"})
 OPT_INTS = frozenset({"ints", "null"})  # a list of whole numbers
 OPT_DICT = frozenset({"dict", "null"})
 
-# Every record: `store.JsonlWriter` adds schema, t, host and (when known) rank.
-COMMON: dict[str, frozenset[str]] = {"schema": INT, "t": NUM, "host": STR, "rank": OPT_INT}
+# Every record: `store.JsonlWriter` adds schema, t, host and (when known) rank. An imported log's rows
+# (`stability LOG --out RUN`) have host null: the log does not say where it ran.
+COMMON: dict[str, frozenset[str]] = {"schema": INT, "t": NUM, "host": OPT_STR, "rank": OPT_INT}
 
 SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
     "steps": {
@@ -53,7 +54,9 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "grad_norm_source": OPT_STR,
         "clip_max_norm": OPT_NUM,
         "loss_scale": OPT_NUM,
-        "skipped": OPT_BOOL,
+        "skipped": frozenset(
+            {"bool", "int", "null"}
+        ),  # watch: a bool; an imported row: skips in its interval
         "backward_calls": OPT_INT,
         "mem_allocated": OPT_NUM,
         "mem_reserved": OPT_NUM,
@@ -65,6 +68,14 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "desync_ranks": OPT_INTS,
         "tokens": OPT_NUM,
         "samples": OPT_NUM,
+        "optimizer": OPT_INT,  # watch: several optimizers (index in creation order)
+        "optimizer_class": OPT_STR,
+        "loss_scale_next": OPT_NUM,  # what GradScaler.update() set after the step
+        "segment": OPT_INT,  # which watch session of the run
+        "interval_steps": OPT_INT,  # an imported row: the steps it covers
+        "series": OPT_INT,  # an imported row: its engine or run
+        "nonfinite": OPT_INT,
+        "attempted_scale": OPT_NUM,
     },
     "comm": {
         **COMMON,

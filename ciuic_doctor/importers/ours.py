@@ -57,8 +57,14 @@ def load(path: Path) -> StepLog:
         read += lines
         unread += bad
     raw = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=list(WANTED))
-    step = raw["step"]
-    rank = raw["rank"]
+    return to_steplog(raw, read_lines=read, unread_lines=unread, meta_dir=meta_dir, name=path.name)
+
+
+def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name: str) -> StepLog:
+    """Our step records (a DataFrame with WANTED's columns, any of them absent) -> the StepLog: shared by
+    this row reader and the columnar one many-rank runs use (ours_columnar), so both judge alike."""
+    import pandas as pd
+
     # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
     # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
     next_scale = pd.to_numeric(raw.get("loss_scale_next", pd.Series(dtype="float64")), errors="coerce")
@@ -67,7 +73,7 @@ def load(path: Path) -> StepLog:
             next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
         )
     series_names = _optimizer_series(raw)
-    interval = intervals(step, rank)
+    interval = intervals(raw["step"], raw["rank"])
     written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
     if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
         interval = written.fillna(interval)
@@ -76,11 +82,11 @@ def load(path: Path) -> StepLog:
             **{k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps", *_WATCH_ONLY)},
             "interval_steps": interval,
         },
-        source=f"ours:{path.name}",
+        source=f"ours:{name}",
     )
-    log = StepLog(table=table, read_lines=read, unread_lines=unread, framework="gradscaler")
+    log = StepLog(table=table, read_lines=read_lines, unread_lines=unread_lines, framework="gradscaler")
     log.series_names = series_names
-    clips = pd.to_numeric(raw["clip_max_norm"], errors="coerce").dropna()
+    clips = pd.to_numeric(raw.get("clip_max_norm", pd.Series(dtype="float64")), errors="coerce").dropna()
     if len(clips):  # the watch probe records the max_norm a script passed to clip_grad_norm_
         log.clip_max_norm = float(clips.iloc[-1])
     _apply_meta(log, meta_dir)

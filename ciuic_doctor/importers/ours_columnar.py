@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ciuic_doctor.importers import StepLog, intervals, normalize
-from ciuic_doctor.importers.ours import _apply_meta
+from ciuic_doctor.importers import StepLog
+from ciuic_doctor.importers.ours import to_steplog
 from ciuic_doctor.store import RunDir
 
 MIN_FILES = 16
-# the watch probe's fields ours.load reads (its own WANTED may grow with fields only imported logs carry)
-WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm")
+# the watch probe's fields ours.load reads (its own WANTED also has fields only imported logs carry)
+WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm",
+          "loss_scale_next", "optimizer")  # fmt: skip
 
 
 def load(path: Path) -> StepLog:
     """The run directory's steps (every file, shared first, then per rank) as ours.load returns them."""
-    import pandas as pd
     import pyarrow.compute as pc
 
     from ciuic_doctor.frames import read_stream
@@ -35,24 +35,10 @@ def load(path: Path) -> StepLog:
     raw = read.table.to_pandas()
     raw["nonfinite"] = nonfinite.to_numpy(zero_copy_only=False).astype("int64")
     raw["skipped"] = raw["skipped"].astype("boolean").fillna(False).astype("int64")
-    table = normalize(
-        {
-            **{k: raw[k] for k in WANTED if k != "clip_max_norm"},
-            "nonfinite": raw["nonfinite"],
-            "interval_steps": intervals(raw["step"], raw["rank"]),
-        },
-        source=f"ours:{path.name}",
-    )
-    log = StepLog(
-        table=table,
+    return to_steplog(
+        raw,
         read_lines=read.rows + read.dropped_lines,
         unread_lines=read.dropped_lines,
-        framework="gradscaler",
+        meta_dir=path,
+        name=path.name,
     )
-    clips = pd.to_numeric(raw["clip_max_norm"], errors="coerce").dropna()
-    if len(clips):  # the watch probe records the max_norm a script passed to clip_grad_norm_
-        log.clip_max_norm = float(clips.iloc[-1])
-    _apply_meta(log, path)
-    if table["loss_scale"].notna().any() and log.precision is None:
-        log.precision = "fp16"  # only torch.amp.GradScaler gives a scale
-    return log

@@ -15,7 +15,7 @@ recorded in `ciuic.source`, so a stream that grew after compaction is read from 
 
 >>> import tempfile, pathlib
 >>> folder = pathlib.Path(tempfile.mkdtemp())
->>> jsonl = folder / "comm.jsonl"
+>>> jsonl = folder / "notes.jsonl"  # a stream without a schema: any JSON object is a record
 >>> _ = jsonl.write_text('{"a":1,"b":null}\\n{"b":"x","c":[1,2]}\\n')
 >>> result = compact_file(jsonl)
 >>> parquet_records(result.parquet) == [{"a": 1, "b": None}, {"b": "x", "c": [1, 2]}]

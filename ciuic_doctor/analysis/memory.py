@@ -328,13 +328,14 @@ def _one_leak_finding(kind: str, per_rank: list[Finding]) -> Finding:
         steepest = max(judged, key=_growth_per_unit)
         ev = steepest.evidence
         unit = "step" if "slope_bytes_per_step" in ev else "s"
+        shift = f" ({steepest.summary})" if "level_shift_bytes" in ev else ""  # why a steep line is no leak
         return Finding(
             probe=PROBE,
             check="memory_leak",
             verdict="pass",
             summary=f"{kind} memory ({ev['metric']}) shows no leak on any of {len(judged)} rank(s): the "
             f"steepest, rank {steepest.where['rank']}, {_growth_per_unit(steepest) / MIB:+.3f} MiB/{unit}, "
-            f"R² {ev['r2']:.2f}, trend z {ev['mann_kendall_z']:.1f}",
+            f"R² {ev['r2']:.2f}, trend z {ev['mann_kendall_z']:.1f}{shift}",
             evidence={**ev, **counts, "steepest_rank": steepest.where["rank"], "leaking_ranks": 0},
         )
     worst = leaking[0]

@@ -77,31 +77,62 @@ def test_flat_device_and_host_are_no_leak(cuda):
 
 
 def test_fragmentation_from_allocator_fields(cuda):
-    frag = _one(cuda, "fragmentation", rank=1)
+    frag = _one(cuda, "fragmentation")  # one finding for the job, naming the fragmented rank
+    assert frag.where["ranks"] == [1]
+    assert frag.summary.startswith("fragmentation on 1 of 2 rank(s); worst rank 1: 3 allocator retries")
     assert frag.verdict == "warn"
     assert frag.evidence["alloc_retries"] == 3
     assert frag.evidence["reserved_minus_allocated_bytes"] == pytest.approx(14 * GIB, rel=0.01)
     assert frag.evidence["reserved_minus_peak_bytes"] == pytest.approx(12 * GIB, rel=0.01)
     assert frag.evidence["inactive_split_bytes"] == 3 * GIB
     assert frag.evidence["suggested_alloc_conf"] == "expandable_segments:True"
-    clean = _one(cuda, "fragmentation", rank=0)
-    assert clean.verdict == "pass"
-    assert clean.evidence["alloc_retries"] == 0
+    assert frag.evidence["ranks_checked"] == 2
+    clean = frag.evidence["per_rank"]["0"]
+    assert clean["verdict"] == "pass"
+    assert clean["alloc_retries"] == 0
+
+
+def test_two_of_four_ranks_fragment_one_finding_worst_first(tmp_path):
+    """Ranks 2 and 3 join the recorded run: rank 2 retries twice as often as rank 1, rank 3 is clean."""
+    run = _copy("memory_cuda", tmp_path)
+    for source, rank, retries_factor in (("steps.rank1.jsonl", 2, 2), ("steps.rank0.jsonl", 3, 1)):
+        rows = [json.loads(line) for line in (run.path / source).read_text().splitlines()]
+        for row in rows:
+            row["rank"] = rank
+            row["alloc_retries"] = (row.get("alloc_retries") or 0) * retries_factor
+        (run.path / f"steps.rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    findings = memory.analyze(RunDir.open(run.path))
+    frag = _one(findings, "fragmentation")
+    assert frag.verdict == "warn"
+    assert frag.where["ranks"] == [2, 1]
+    assert frag.where["rank"] == 2
+    assert frag.where["hosts"] == ["gpu-node-01"]
+    assert frag.summary.startswith("fragmentation on 2 of 4 rank(s); worst rank 2: 6 allocator retries")
+    ev = frag.evidence
+    assert ev["alloc_retries"] == 6  # the worst rank's figures at the top level
+    assert (ev["worst_rank"], ev["affected_ranks"], ev["ranks_checked"]) == (2, 2, 4)
+    # per_rank: the affected ranks plus the worst few (3); clean rank 3 beyond them is only counted
+    assert {rank: row["alloc_retries"] for rank, row in ev["per_rank"].items()} == {"2": 6, "1": 3, "0": 0}
+    # the ranks without memwatch samples do not add findings: one per check
+    assert _one(findings, "non_pytorch_device_memory").where["ranks"] == [1]
+    assert _one(findings, "non_pytorch_device_memory").evidence["ranks_not_run"] == [2, 3]
 
 
 def test_non_pytorch_memory_nvml_minus_reserved(cuda):
-    growing = _one(cuda, "non_pytorch_device_memory", rank=1)
+    growing = _one(cuda, "non_pytorch_device_memory")
+    assert growing.where["ranks"] == [1]
     assert growing.evidence["growing"] is True
     assert growing.evidence["slope"] == pytest.approx(8 * MIB, rel=0.05)
     assert growing.verdict == "warn"
-    flat = _one(cuda, "non_pytorch_device_memory", rank=0)
-    assert flat.evidence["growing"] is False
-    assert flat.evidence["bytes"] == pytest.approx(1.2 * GIB, rel=0.02)
-    assert flat.verdict == "pass"
+    flat = growing.evidence["per_rank"]["0"]
+    assert flat["growing"] is False
+    assert flat["bytes"] == pytest.approx(1.2 * GIB, rel=0.02)
+    assert flat["verdict"] == "pass"
 
 
 def test_copy_on_read_workers(cuda):
-    workers = _one(cuda, "worker_memory_growth", rank=0)
+    workers = _one(cuda, "worker_memory_growth")
+    assert workers.where["ranks"] == [0]
     assert workers.verdict == "warn"
     assert workers.evidence["workers"] == 2
     assert workers.evidence["pattern"] == "copy_on_read"

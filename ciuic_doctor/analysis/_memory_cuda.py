@@ -17,6 +17,7 @@ import math
 import statistics
 from typing import Any
 
+from ciuic_doctor.analysis._memory_ranks import one_per_job
 from ciuic_doctor.analysis._trend import robust_trend
 from ciuic_doctor.analysis.memory import (
     MIB,
@@ -84,7 +85,8 @@ def _fragmentation(data: _Data, rank: int) -> tuple[Finding, dict[str, Any]]:
         problems.append(f"{retries} allocator retries (cache flushed after a failed cudaMalloc)")
     if unused is not None and unused >= UNUSED_CACHE_MIN_BYTES and unused >= UNUSED_CACHE_FRACTION * reserved:
         problems.append(f"{unused / 2**30:.1f} GiB reserved beyond the step's peak ({unused / reserved:.0%})")
-    where = {"rank": rank}
+    host = data.steps.host(rank)
+    where = {"rank": rank, **({"host": host} if host else {})}
     if problems:
         evidence["suggested_alloc_conf"] = EXPANDABLE
         summary = f"rank {rank}: {'; '.join(problems)}: try PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE}"
@@ -131,11 +133,13 @@ def _non_pytorch_series(data: _Data, rank: int) -> Series | None:
     )
 
 
-def _non_pytorch(data: _Data) -> tuple[list[Finding], list[int]]:
+def _non_pytorch(data: _Data) -> tuple[Finding, list[int]]:
+    """The job's one non_pytorch_device_memory finding (growing ranks first, steepest first) and the
+    growing ranks in rank order."""
     has_gpu = any(s.get("gpu_bytes") is not None for s in data.samples)
     if not has_gpu:
         why = f"no per-process GPU memory from NVML ({data.gpu_absent_reason()})"
-        return [_not_run("non_pytorch_device_memory", why)], []
+        return _not_run("non_pytorch_device_memory", why), []
     findings, growing = [], []
     for rank in data.ranks():
         series = _non_pytorch_series(data, rank)
@@ -145,9 +149,8 @@ def _non_pytorch(data: _Data) -> tuple[list[Finding], list[int]]:
             continue
         trend = _trend(series)
         if trend is None:
-            findings.append(
-                _not_run("non_pytorch_device_memory", f"rank {rank}: too few steps after warm-up")
-            )
+            why = f"rank {rank}: too few steps after warm-up"
+            findings.append(_not_run("non_pytorch_device_memory", why, where={"rank": rank}))
             continue
         grows = _grows(trend, NON_PYTORCH_MIN_BYTES)
         level = statistics.median(series.y)
@@ -178,10 +181,17 @@ def _non_pytorch(data: _Data) -> tuple[list[Finding], list[int]]:
                 verdict="warn" if grows else "pass",
                 summary=summary,
                 evidence=evidence,
-                where={"rank": rank},
+                where={"rank": rank, **({"host": series.host} if series.host else {})},
             )
         )
-    return findings, growing
+    one = one_per_job(
+        "non_pytorch_device_memory",
+        findings,
+        severity=lambda f: (f.evidence["slope"], f.evidence["bytes"]),
+        keys=("bytes", "bytes_end", "growing", "slope"),
+        what="growth of memory outside PyTorch's allocator",
+    )
+    return one, growing
 
 
 def _reserved_growing(data: _Data, rank: int) -> bool:
@@ -241,19 +251,42 @@ def _empty_cache(data: _Data, frag: dict[int, dict[str, Any]], nonpt_growing: li
     return Finding(probe=PROBE, check="empty_cache", verdict=verdict, summary=summary, evidence=evidence)
 
 
+def _frag_severity(finding: Finding) -> tuple[float, float]:
+    """Retries first (a near-OOM sign), then the cache held beyond the step's peak."""
+    ev = finding.evidence
+    return float(ev["alloc_retries"]), float(ev["reserved_minus_peak_bytes"] or 0)
+
+
+FRAG_KEYS = (
+    "alloc_retries",
+    "reserved_minus_peak_bytes",
+    "reserved_minus_allocated_bytes",
+    "inactive_split_bytes",
+    "reserved_bytes",
+)
+
+
 def cuda_findings(data: _Data) -> list[Finding]:
-    """fragmentation per rank, non-PyTorch device memory per rank, and the empty_cache verdict."""
+    """One fragmentation finding, one non-PyTorch device memory finding (each over every rank, worst
+    rank first), and the empty_cache verdict."""
     findings: list[Finding] = []
     frag: dict[int, dict[str, Any]] = {}
+    per_rank: list[Finding] = []
     for rank in sorted(data.steps.ranks_with("mem_reserved")):  # not every rank's records: 2 M at scale
         if _steady(data, rank):
             finding, frag[rank] = _fragmentation(data, rank)
-            findings.append(finding)
+            per_rank.append(finding)
     if not frag:
         findings.append(
             _not_run("fragmentation", "no CUDA allocator fields in the steps (mem_reserved/mem_allocated)")
         )
+    else:
+        findings.append(
+            one_per_job(
+                "fragmentation", per_rank, severity=_frag_severity, keys=FRAG_KEYS, what="fragmentation"
+            )
+        )
     nonpt, growing = _non_pytorch(data)
-    findings.extend(nonpt)
+    findings.append(nonpt)
     findings.append(_empty_cache(data, frag, growing))
     return findings

@@ -13,15 +13,19 @@ Checks (probe "memory"; evidence keys are the contract the report codes against)
   Evidence: kind, metric, source, slope_bytes_per_step | slope_bytes_per_s, growth_mb_per_step |
   growth_mb_per_s, r2, mann_kendall_z, points, level_start/end_bytes, limit_bytes, headroom_bytes,
   projected_oom_step (step runs only), projected_oom_s.
-- `fragmentation`, per rank, from the steps' CUDA allocator fields: alloc retries (the allocator freed
-  its cache and retried a failed cudaMalloc: a near-OOM sign) and cache held beyond the step's peak.
+- `fragmentation`, from the steps' CUDA allocator fields: alloc retries (the allocator freed its cache
+  and retried a failed cudaMalloc: a near-OOM sign) and cache held beyond the step's peak.
   At step end reserved − allocated is mostly next step's activation cache, so the verdict uses reserved
   − peak (memory never in use even at the peak); reserved − allocated is reported as the contract asks.
-- `non_pytorch_device_memory`, per rank: NVML's per-process bytes − the allocator's reserved bytes at the
-  same time (CUDA context, cuBLAS workspaces, NCCL buffers — reference/memory.md) and whether it grows;
+- `non_pytorch_device_memory`: NVML's per-process bytes − the allocator's reserved bytes at the same
+  time (CUDA context, cuBLAS workspaces, NCCL buffers — reference/memory.md) and whether it grows;
   this is the test of the seed's "NCCL buffers accumulate" claim.
-- `worker_memory_growth`, per rank: USS of each DataLoader worker over time. USS rising while RSS
+- `worker_memory_growth`: USS of each DataLoader worker over time. USS rising while RSS
   stays put is copy-on-read (refcount writes un-share forked pages; pytorch/pytorch#13246).
+  These three are judged per rank and reported as one finding over the job (`_memory_ranks`): the
+  worst rank's evidence flat, plus ranks_checked, ranks_not_run, affected_ranks, worst_rank and
+  per_rank ({"rank": {verdict, key figures}}: the affected ranks and the worst few); where.ranks lists
+  the affected ranks worst first.
 - `empty_cache`: PyTorch's docs say empty_cache does not give PyTorch more memory; it only returns
   cached blocks to the driver. The verdict says whether this run shows anything it could help with.
 
@@ -35,6 +39,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic_doctor.analysis._memory_ranks import one_per_job
 from ciuic_doctor.analysis._memory_steps import StepColumns, binned
 from ciuic_doctor.analysis._trend import Trend, level_shift, robust_trend
 from ciuic_doctor.findings import Finding
@@ -323,13 +328,14 @@ def _one_leak_finding(kind: str, per_rank: list[Finding]) -> Finding:
         steepest = max(judged, key=_growth_per_unit)
         ev = steepest.evidence
         unit = "step" if "slope_bytes_per_step" in ev else "s"
+        shift = f" ({steepest.summary})" if "level_shift_bytes" in ev else ""  # why a steep line is no leak
         return Finding(
             probe=PROBE,
             check="memory_leak",
             verdict="pass",
             summary=f"{kind} memory ({ev['metric']}) shows no leak on any of {len(judged)} rank(s): the "
             f"steepest, rank {steepest.where['rank']}, {_growth_per_unit(steepest) / MIB:+.3f} MiB/{unit}, "
-            f"R² {ev['r2']:.2f}, trend z {ev['mann_kendall_z']:.1f}",
+            f"R² {ev['r2']:.2f}, trend z {ev['mann_kendall_z']:.1f}{shift}",
             evidence={**ev, **counts, "steepest_rank": steepest.where["rank"], "leaking_ranks": 0},
         )
     worst = leaking[0]
@@ -435,81 +441,92 @@ def _not_run(check: str, why: str, *, where: dict[str, Any] | None = None, **evi
     )
 
 
+WORKER_KEYS = ("workers", "growing_workers", "uss_growth_mb", "rss_growth_mb", "pattern")
+
+
 def _workers(data: _Data) -> list[Finding]:
-    """Per rank: USS of each DataLoader worker over time (copy-on-read shows as USS growth, flat RSS)."""
+    """One finding over every rank: USS of each rank's DataLoader workers over time (copy-on-read shows
+    as USS growth, flat RSS), the ranks whose workers grow named worst (largest median growth) first."""
     ranks = sorted({int(r.rsplit(" ", 1)[1]) for r in data.role_pids if r.startswith("worker of rank ")})
     if not ranks:
         return [_not_run("worker_memory_growth", "memwatch saw no DataLoader workers (no child of a rank)")]
-    findings = []
-    for rank in ranks:
-        fits = []
-        for pid in data.role_pids[f"worker of rank {rank}"]:
-            samples = data.by_pid[pid]
-            t0 = samples[0]["t"]
-            trends = {}
-            for metric in ("uss", "rss", "pss"):
-                points = [(s["t"] - t0, s[metric]) for s in samples if s.get(metric) is not None]
-                series = Series(
-                    x=[p[0] for p in points],
-                    y=[p[1] for p in points],
-                    x_unit="s",
-                    metric=metric,
-                    source="memwatch",
-                    pid=pid,
-                )
-                trends[metric] = _trend(series)
-            if trends["uss"] is not None:
-                fits.append((pid, trends))
-        where = {"rank": rank}
-        if not fits:
-            why = f"workers of rank {rank}: USS not readable or too few samples per worker (< {MIN_POINTS})"
-            findings.append(_not_run("worker_memory_growth", why, where=where))
-            continue
-        growing = [pid for pid, t in fits if _grows(t["uss"], WORKER_MIN_BYTES)]
-
-        def median_growth(metric: str, fits: list = fits) -> float | None:
-            values = [t[metric].growth for _, t in fits if t[metric] is not None]
-            return statistics.median(values) / MIB if values else None
-
-        uss_mb, rss_mb = median_growth("uss"), median_growth("rss")
-        copy_on_read = uss_mb > 0 and (rss_mb is None or rss_mb < 0.5 * uss_mb)
-        evidence = {
-            "workers": len(fits),
-            "growing_workers": len(growing),
-            "pids": [pid for pid, _ in fits],
-            "uss_slope_bytes_per_s": round(statistics.median(t["uss"].slope for _, t in fits), 1),
-            "uss_growth_mb": round(uss_mb, 2),
-            "rss_growth_mb": None if rss_mb is None else round(rss_mb, 2),
-            "pss_growth_mb": None if (pss := median_growth("pss")) is None else round(pss, 2),
-            "total_uss_growth_mb": round(sum(t["uss"].growth for _, t in fits) / MIB, 2),
-            "pattern": "copy_on_read" if copy_on_read else "private_growth",
-        }
-        if 2 * len(growing) >= len(fits):
-            how = (
-                "USS grows while RSS stays flat: copy-on-read of the dataset's Python objects (refcount "
-                "writes un-share forked pages); keep them in numpy arrays, bytes or Arrow instead of lists "
-                "of objects"
-                if copy_on_read
-                else "RSS grows with USS: the workers allocate (a cache in the Dataset?)"
-            )
-            verdict = "warn"
-            summary = (
-                f"{len(growing)} of {len(fits)} workers of rank {rank} grow ~{uss_mb:.0f} MiB each: {how}"
-            )
-        else:
-            verdict = "pass"
-            summary = f"workers of rank {rank}: USS flat (median {uss_mb:+.1f} MiB over the watch)"
-        findings.append(
-            Finding(
-                probe=PROBE,
-                check="worker_memory_growth",
-                verdict=verdict,
-                summary=summary,
-                evidence=evidence,
-                where=where,
-            )
+    findings = [_rank_workers(data, rank) for rank in ranks]
+    return [
+        one_per_job(
+            "worker_memory_growth",
+            findings,
+            severity=lambda f: f.evidence["uss_growth_mb"],
+            keys=WORKER_KEYS,
+            what="DataLoader worker memory growth",
         )
-    return findings
+    ]
+
+
+def _rank_workers(data: _Data, rank: int) -> Finding:
+    pids = data.role_pids[f"worker of rank {rank}"]
+    fits = []
+    for pid in pids:
+        samples = data.by_pid[pid]
+        t0 = samples[0]["t"]
+        trends = {}
+        for metric in ("uss", "rss", "pss"):
+            points = [(s["t"] - t0, s[metric]) for s in samples if s.get(metric) is not None]
+            series = Series(
+                x=[p[0] for p in points],
+                y=[p[1] for p in points],
+                x_unit="s",
+                metric=metric,
+                source="memwatch",
+                pid=pid,
+            )
+            trends[metric] = _trend(series)
+        if trends["uss"] is not None:
+            fits.append((pid, trends))
+    host = next((h for pid in pids if (h := data.by_pid[pid][0].get("host"))), None)
+    where = {"rank": rank, **({"host": host} if host else {})}
+    if not fits:
+        why = f"rank {rank}: workers' USS not readable or too few samples per worker (< {MIN_POINTS})"
+        return _not_run("worker_memory_growth", why, where=where)
+    growing = [pid for pid, t in fits if _grows(t["uss"], WORKER_MIN_BYTES)]
+
+    def median_growth(metric: str, fits: list = fits) -> float | None:
+        values = [t[metric].growth for _, t in fits if t[metric] is not None]
+        return statistics.median(values) / MIB if values else None
+
+    uss_mb, rss_mb = median_growth("uss"), median_growth("rss")
+    copy_on_read = uss_mb > 0 and (rss_mb is None or rss_mb < 0.5 * uss_mb)
+    evidence = {
+        "workers": len(fits),
+        "growing_workers": len(growing),
+        "pids": [pid for pid, _ in fits],
+        "uss_slope_bytes_per_s": round(statistics.median(t["uss"].slope for _, t in fits), 1),
+        "uss_growth_mb": round(uss_mb, 2),
+        "rss_growth_mb": None if rss_mb is None else round(rss_mb, 2),
+        "pss_growth_mb": None if (pss := median_growth("pss")) is None else round(pss, 2),
+        "total_uss_growth_mb": round(sum(t["uss"].growth for _, t in fits) / MIB, 2),
+        "pattern": "copy_on_read" if copy_on_read else "private_growth",
+    }
+    if 2 * len(growing) >= len(fits):
+        how = (
+            "USS grows while RSS stays flat: copy-on-read of the dataset's Python objects (refcount "
+            "writes un-share forked pages); keep them in numpy arrays, bytes or Arrow instead of lists "
+            "of objects"
+            if copy_on_read
+            else "RSS grows with USS: the workers allocate (a cache in the Dataset?)"
+        )
+        verdict = "warn"
+        summary = f"rank {rank}: {len(growing)} of {len(fits)} workers grow ~{uss_mb:.0f} MiB each: {how}"
+    else:
+        verdict = "pass"
+        summary = f"rank {rank}: workers' USS flat (median {uss_mb:+.1f} MiB over the watch)"
+    return Finding(
+        probe=PROBE,
+        check="worker_memory_growth",
+        verdict=verdict,
+        summary=summary,
+        evidence=evidence,
+        where=where,
+    )
 
 
 def analyze(run: RunDir) -> list[Finding]:

@@ -127,9 +127,16 @@ def settings_diff(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[Settin
         for key in sorted(set(a) | set(b)):
             if a.get(key) != b.get(key):
                 changes.append(SettingChange(key=key, a=a.get(key), b=b.get(key), source=source))
-    # A spec value the job also reports as observed: keep one line, the spec's.
+    # A spec value the job also reports as observed: keep one line, the spec's. And the command line is
+    # how spec and inject changes were made (`job --inject slow-rank=1:400`): its change is said only when
+    # nothing else explains it (a script's `--lr 3e-4` → `--lr 1e-3`).
     spec_keys = {c.key for c in changes if c.source == "spec"}
-    return [c for c in changes if not (c.source == "observed" and c.key in spec_keys)]
+    explained = any(c.source in ("spec", "inject") for c in changes)
+    return [
+        c
+        for c in changes
+        if not (c.source == "observed" and (c.key in spec_keys or (explained and c.key.endswith("argv"))))
+    ]
 
 
 def headline(changes: list[SettingChange], limit: int = 3) -> str:

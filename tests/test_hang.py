@@ -162,7 +162,7 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
     argv = ["-m", "ciuic_doctor", "watch", "--out", str(run), "--hang-after", "2", "--", str(JOB), "stop"]
     proc = _launch(argv, env={"HANG_PG_TIMEOUT": "60"})  # the job stays hung while we look
     try:
-        _wait_for(run / "hang.rank0.json", 60)
+        _wait_for(run / "hang.rank0.json", 120)  # ~10 s alone; a loaded 2-core box took over 60
         finding = _hang(run)
         asked_at = time.time()
         done = run_cli("hang", "--pid", str(proc.pid), "--wait", "2", "--json", timeout=120)

@@ -230,8 +230,10 @@ def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
 
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
-# What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints.
-_RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle)|checkpoints|checkpoint-check)$")
+# What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints,
+# Parquet copies, and the hang watchdog's files (a rank arms it, writing hang.rank<R>.armed.json, before
+# rank 0 has written meta.json; `hang --pid --out D` writes only hang.* files).
+_RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|checkpoints|checkpoint-check)$")
 
 
 def _is_our_meta(path: Path) -> bool:

@@ -219,3 +219,17 @@ def test_a_1e308_loss_is_said_in_a_few_digits():
     log = StepLog(table=normalize({"step": steps, "loss": loss}, source="test"))
     summaries = " ".join(f.summary for f in analyze_log(log))
     assert max(len(word) for word in summaries.split()) < 40, summaries
+
+
+def test_a_folder_with_only_hang_files_is_a_run(tmp_path):
+    """A rank's hang watchdog writes hang.rank<R>.armed.json before rank 0 writes meta.json, and
+    `hang --pid --out D` writes only hang.* files: neither folder may be refused as 'not a run'."""
+    racing = tmp_path / "racing"
+    (racing / "hang.fr").mkdir(parents=True)
+    (racing / "hang.rank1.armed.json").write_text("{}")
+    (racing / "steps.rank1.jsonl").write_text("")
+    assert RunDir.create(racing).path == racing
+    pid = tmp_path / "pid"
+    pid.mkdir()
+    (pid / "hang.pyspy.json").write_text("{}")
+    assert RunDir.create(pid).path == pid

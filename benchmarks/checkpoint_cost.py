@@ -1,6 +1,6 @@
 """Where the seed's rank-0 load + broadcast stops being a reasonable way to load: both load methods side
 by side on 2 gloo ranks, for checkpoints of growing size, measured in one run with checkpoint-check's own
-measuring code (probes/checkpoint_cost.py).
+measuring code (probes/checkpoint/cost.py).
 
     .venv/bin/python benchmarks/checkpoint_cost.py [--sizes 16M,64M,256M] [--repeats 3]
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ciuic_doctor.probes.checkpoint_cost import (
+from ciuic_doctor.probes.checkpoint.cost import (
     Methods,
     barrier,
     measure_broadcast_load,

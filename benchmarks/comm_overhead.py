@@ -38,9 +38,9 @@ def worker(rounds: int, iters: int) -> None:
 
     from ciuic_doctor.launch import init_distributed
     from ciuic_doctor.nccl import busbw_factor
-    from ciuic_doctor.probes.comm_collectives import allocate, shape
-    from ciuic_doctor.probes.comm_faults import Watch, default_store
-    from ciuic_doctor.probes.comm_measure import Marks, Timing, aggregate, measure_row
+    from ciuic_doctor.probes.comm.collectives import allocate, shape
+    from ciuic_doctor.probes.comm.faults import Watch, default_store
+    from ciuic_doctor.probes.comm.measure import Marks, Timing, aggregate, measure_row
 
     torch.set_num_threads(1)
     rank, world, _ = init_distributed(120)

@@ -27,7 +27,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ciuic_doctor.probes.watch_hang import HangConfig, HangWatchdog, fr_status
+    from ciuic_doctor.probes.watch.hang import HangConfig, HangWatchdog, fr_status
     from ciuic_doctor.store import RunDir
 
     scratch = Path(tempfile.mkdtemp())

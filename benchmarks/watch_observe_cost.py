@@ -1,4 +1,4 @@
-"""Cost of watch's settings hooks (probes/watch_observe.py) per optimizer step, side by side in one run.
+"""Cost of watch's settings hooks (probes/watch/observe.py) per optimizer step, side by side in one run.
 
 Blocks of `optimizer.step()` on a model whose step costs almost nothing alternate with the hooks
 installed and removed, so what is left between the two is the hooks' own cost: the global post-step
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 def main(rounds: int = 10, steps: int = 2000) -> None:
     import torch
 
-    from ciuic_doctor.probes import watch_observe
+    from ciuic_doctor.probes.watch import observe as watch_observe
     from ciuic_doctor.store import RunDir
 
     model = torch.nn.Linear(4, 1)

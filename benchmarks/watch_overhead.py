@@ -65,7 +65,7 @@ def main() -> int:
     from ciuic_doctor.jobs.inject import Injections
     from ciuic_doctor.jobs.spec import load_spec, with_updates
     from ciuic_doctor.jobs.train import Trainer, setup_distributed
-    from ciuic_doctor.probes.watch import WatchConfig, attach
+    from ciuic_doctor.probes.watch.session import WatchConfig, attach
     from ciuic_doctor.store import RunDir
 
     total = args.warmup + 2 * args.rounds * args.block
@@ -140,7 +140,7 @@ def hook_cost_s(run, config, *, rounds: int = 6, steps: int = 400) -> float:
     """Median extra seconds per optimizer step with watch attached, on a 4x1 linear model."""
     import torch
 
-    from ciuic_doctor.probes.watch import attach
+    from ciuic_doctor.probes.watch.session import attach
 
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -168,7 +168,7 @@ def closure_loop_s(run, config, *, rounds: int = 8, steps: int = 60) -> tuple[fl
     """Median seconds per step of a closure loop without and with watch, blocks alternating."""
     import torch
 
-    from ciuic_doctor.probes.watch import attach
+    from ciuic_doctor.probes.watch.session import attach
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -1,7 +1,7 @@
 """The hang dumps of a run directory, and Python stacks of processes that cannot dump their own (py-spy).
 
     RUN/hang.rank<R>.armed.json   written when the watchdog starts: rank, host, pid (who should have dumped)
-    RUN/hang.rank<R>.json         a dump (probes/watch_hang.py): reason, stacks, Flight Recorder status, peers
+    RUN/hang.rank<R>.json         a dump (probes/watch/hang.py): reason, stacks, Flight Recorder status, peers
     RUN/hang.rank<R>.fatal.txt    faulthandler's stacks after a fatal signal (empty when there was none)
     RUN/hang.fr/rank<R>           Flight Recorder's own pickle, read with torch's loader (`read_dump`)
     RUN/hang.pyspy.json           `ciuic-doctor hang --pid`'s py-spy stacks of every rank it found

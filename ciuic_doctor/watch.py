@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ciuic_doctor.store import RunDir, default_run_path
 
 if TYPE_CHECKING:
-    from ciuic_doctor.probes.watch import WatchSession
+    from ciuic_doctor.probes.watch.session import WatchSession
 
 
 def attach(
@@ -48,7 +48,7 @@ def attach(
     leaves meta.json to the launching process. If a session is already recording in this process, that
     one is returned (and this attach changes nothing).
     """
-    from ciuic_doctor.probes import watch as probe_watch
+    from ciuic_doctor.probes.watch import session as probe_watch
 
     active = probe_watch.current()
     if active is not None:
@@ -76,5 +76,5 @@ def current() -> WatchSession | None:
     """The session recording in this process, or None (without importing torch if none was started)."""
     import sys
 
-    module = sys.modules.get("ciuic_doctor.probes.watch")
+    module = sys.modules.get("ciuic_doctor.probes.watch.session")
     return module.current() if module is not None else None

@@ -1,7 +1,8 @@
 """A fast generator of large runs: N ranks × S steps of watch's step records, with planted problems.
 
 Used by the scale tests and by `benchmarks/report_scale.py`. Running 1,024 real ranks is out of reach on
-a 2-core machine, so the records are written directly, to the same fields watch writes (probes/watch.py):
+a 2-core machine, so the records are written directly, to the same fields watch writes
+(probes/watch/session.py):
 `schema, t, host, rank, step, step_time_s, pre_backward_s, loss, lr, grad_norm, skipped, rss, uss`, and a
 `weights_checksum` every CHECKSUM_EVERY steps.
 

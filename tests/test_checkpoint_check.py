@@ -225,8 +225,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
 @pytest.mark.parametrize(
     "name",
     [
-        "ciuic_doctor.probes.checkpoint_options",
-        "ciuic_doctor.probes.checkpoint_inspect",
+        "ciuic_doctor.probes.checkpoint.options",
+        "ciuic_doctor.probes.checkpoint.inspection",
         "ciuic_doctor.analysis._checkpoint_resume",
     ],
 )

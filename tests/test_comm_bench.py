@@ -307,8 +307,8 @@ def _simulate(
     """Run the collective's data movement by hand over `world` fake ranks and count wrong elements."""
     import torch
 
-    from ciuic_doctor.probes.comm_check import count_wrong, expected, fill_inputs, pattern_for
-    from ciuic_doctor.probes.comm_collectives import DTYPES, allocate, elem_bytes, shape
+    from ciuic_doctor.probes.comm.check import count_wrong, expected, fill_inputs, pattern_for
+    from ciuic_doctor.probes.comm.collectives import DTYPES, allocate, elem_bytes, shape
 
     sh = shape(collective, size, elem_bytes(dtype), world)
     pattern = pattern_for(dtype, world)
@@ -352,8 +352,8 @@ def test_check_catches_blocks_delivered_to_the_wrong_place(collective):
 
 
 def test_sizes_percentiles_and_the_folded_record():
-    from ciuic_doctor.probes.comm_collectives import Shape, sweep_sizes
-    from ciuic_doctor.probes.comm_measure import RankResult, aggregate, percentile
+    from ciuic_doctor.probes.comm.collectives import Shape, sweep_sizes
+    from ciuic_doctor.probes.comm.measure import RankResult, aggregate, percentile
 
     assert sweep_sizes(1024, 64 << 20, 2)[-1] == 64 << 20
     assert len(sweep_sizes(1024, 64 << 20, 2)) == 17
@@ -375,7 +375,7 @@ def test_sizes_percentiles_and_the_folded_record():
 
 
 def test_phases_force_all_reduce_only_and_restore_nccl_algo(monkeypatch):
-    from ciuic_doctor.probes.comm_phases import env_var, plan_phases
+    from ciuic_doctor.probes.comm.phases import env_var, plan_phases
 
     monkeypatch.delenv("NCCL_ALGO", raising=False)
     phases, _ = plan_phases("nccl", list(PLACEMENTS), None, (2, 26, 2))

@@ -22,8 +22,8 @@ from torch.utils.data import Dataset, get_worker_info
 from ciuic_doctor.analysis import _loader_checks
 from ciuic_doctor.cli import main
 from ciuic_doctor.envinfo import cpu_budget
-from ciuic_doctor.probes.loader_datasets import SyntheticDataset
-from ciuic_doctor.probes.loader_measure import LoaderConfig, Plan, measure
+from ciuic_doctor.probes.loader.datasets import SyntheticDataset
+from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
 from ciuic_doctor.store import RunDir
 
 TESTS = str(REPO / "tests")

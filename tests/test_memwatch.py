@@ -327,7 +327,7 @@ def _watch_as_nobody(target_pid: int, out: Path) -> tuple[int, str]:
     import ciuic_doctor.commands.memwatch
     import ciuic_doctor.envinfo
     import ciuic_doctor.nvml
-    import ciuic_doctor.probes.memwatch
+    import ciuic_doctor.probes.memwatch.sampler
     import ciuic_doctor.render_text
 
     ciuic_doctor.nvml.get()
@@ -394,7 +394,7 @@ def test_another_users_process_records_rss_only_with_one_note(sleeper, tmp_path)
 def test_uss_reads_thin_out_when_they_cost_more_than_the_budget(sleeper, tmp_path):
     """memory_full_info of even a small process costs tens of µs of CPU; with a budget of 0.001 % of a
     core at 20 Hz (0.5 µs a sample) memwatch must read USS only every k-th sample and say so."""
-    from ciuic_doctor.probes.memwatch import MemwatchConfig, watch
+    from ciuic_doctor.probes.memwatch.sampler import MemwatchConfig, watch
 
     config = MemwatchConfig(pid=sleeper.pid, interval_s=0.05, duration_s=0.6, full_info_budget=1e-5)
     result = watch(config, tmp_path / "run", progress=lambda line: None)

@@ -81,10 +81,10 @@ def steps_of(path) -> list[dict]:
     "name",
     [
         "ciuic_doctor.analysis.steps",
-        "ciuic_doctor.probes.watch_snapshot",
-        "ciuic_doctor.probes.watch_steps",
-        "ciuic_doctor.probes.watch_target",
-        "ciuic_doctor.probes.watch_exit",
+        "ciuic_doctor.probes.watch.snapshot",
+        "ciuic_doctor.probes.watch.steps",
+        "ciuic_doctor.probes.watch.target",
+        "ciuic_doctor.probes.watch.exit",
     ],
 )
 def test_docstring_examples(name):
@@ -168,7 +168,7 @@ def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, c
     import torch
 
     from ciuic_doctor import watch
-    from ciuic_doctor.probes import watch as probe_watch
+    from ciuic_doctor.probes.watch import session as probe_watch
 
     calls = []
 
@@ -192,7 +192,7 @@ def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, c
 
 def test_records_wait_in_step_order_for_their_device_values():
     """The CUDA path's ordering logic, with stand-in events (there is no GPU here)."""
-    from ciuic_doctor.probes.watch_values import MAX_PENDING, Pending, PendingQueue
+    from ciuic_doctor.probes.watch.values import MAX_PENDING, Pending, PendingQueue
 
     class Event:
         def __init__(self):

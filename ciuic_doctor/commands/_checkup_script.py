@@ -29,7 +29,7 @@ def script_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    from ciuic_doctor.probes.watch_target import check_target  # no torch: refuse a bad target first
+    from ciuic_doctor.probes.watch.target import check_target  # no torch: refuse a bad target first
 
     check_target(argv)
     from ciuic_doctor.launch import check_nproc

@@ -84,7 +84,7 @@ def _validate(args: argparse.Namespace) -> None:
             )
         return
     from ciuic_doctor.jobs.spec import load_spec
-    from ciuic_doctor.probes.checkpoint_options import parse_drops, resolve_callable
+    from ciuic_doctor.probes.checkpoint.options import parse_drops, resolve_callable
 
     parse_drops(args.drop)
     load_spec(args.spec)
@@ -94,7 +94,7 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace, argv: list[str]):  # -> CheckConfig
-    from ciuic_doctor.probes.checkpoint_check import CheckConfig
+    from ciuic_doctor.probes.checkpoint.check import CheckConfig
 
     return CheckConfig(
         spec_path=args.spec,
@@ -139,11 +139,11 @@ def run(args: argparse.Namespace) -> int:
 
     _validate(args)
     if args.inspect:
-        from ciuic_doctor.probes.checkpoint_check import run_inspect
+        from ciuic_doctor.probes.checkpoint.check import run_inspect
 
         return run_inspect(Path(args.inspect), args.out, strict=args.strict)
     if in_torchrun() or (args.nproc or DEFAULT_NPROC) == 1:
-        from ciuic_doctor.probes.checkpoint_check import run_check
+        from ciuic_doctor.probes.checkpoint.check import run_check
 
         try:
             return run_check(_config(args, sys.argv[1:]))

@@ -224,7 +224,7 @@ def _run_rank(args: argparse.Namespace) -> int:
     import sys
 
     from ciuic_doctor.errors import ProbeFailed, UserError
-    from ciuic_doctor.probes.comm_bench import BenchConfig, run_bench
+    from ciuic_doctor.probes.comm.bench import BenchConfig, run_bench
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.root >= world:

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.run is None) == (args.pid is None):
         raise UserError("give a run directory (hang RUN) or a running job (hang --pid PID), not both")
     if args.pid is not None:
-        from ciuic_doctor.probes.hang_pid import gather
+        from ciuic_doctor.probes.hang.pid import gather
 
         run_dir = gather(args.pid, out=args.out, wait_s=args.wait)
     else:

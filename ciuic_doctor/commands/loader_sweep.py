@@ -165,9 +165,9 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
-    from ciuic_doctor.probes import loader_datasets as datasets
-    from ciuic_doctor.probes.loader_measure import LoaderConfig
-    from ciuic_doctor.probes.loader_sweep import (
+    from ciuic_doctor.probes.loader import datasets
+    from ciuic_doctor.probes.loader.measure import LoaderConfig
+    from ciuic_doctor.probes.loader.sweep import (
         Sweep,
         SweepSettings,
         default_workers,

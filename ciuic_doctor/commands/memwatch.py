@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.probes.memwatch import MemwatchConfig, watch
+    from ciuic_doctor.probes.memwatch.sampler import MemwatchConfig, watch
     from ciuic_doctor.store import default_run_path
 
     config = MemwatchConfig(
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(result) -> str:  # result: ciuic_doctor.probes.memwatch.WatchResult
+def summary(result) -> str:  # result: ciuic_doctor.probes.memwatch.sampler.WatchResult
     """One screen: per role start/end/peak RSS and USS growth, the machine, and what was not measured."""
     from ciuic_doctor.render_text import table
     from ciuic_doctor.units import format_bytes

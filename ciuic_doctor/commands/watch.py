@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not attach watch to the ranks the script starts itself (mp.spawn, a re-run of its argv)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a rank started by one
-    # issue 16 (hang doctor): the watchdog's two settings; the code is in probes/watch_hang.py
+    # issue 16 (hang doctor): the watchdog's two settings; the code is in probes/watch/hang.py
     parser.add_argument(
         "--hang-after",
         type=positive_float,
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.probes.watch_target import check_target  # no torch: refuse bad targets fast
+    from ciuic_doctor.probes.watch.target import check_target  # no torch: refuse bad targets fast
 
     argv = list(args.script_argv)
     if argv and argv[0] == "--":
@@ -111,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ciuic_doctor.probes import watch_children, watch_exit, watch_observe
-    from ciuic_doctor.probes.watch import run_script
+    from ciuic_doctor.probes.watch import children as watch_children
+    from ciuic_doctor.probes.watch import exit as watch_exit
+    from ciuic_doctor.probes.watch import observe as watch_observe
+    from ciuic_doctor.probes.watch.session import run_script
     from ciuic_doctor.watch import attach
 
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
@@ -144,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
     undo_exit = watch_exit.install(on_abrupt_end)
     code, status = 1, "failed"
-    from ciuic_doctor.probes.watch_hang import HangConfig, arm  # issue 16: before the script's process group
+    from ciuic_doctor.probes.watch.hang import HangConfig, arm  # issue 16: before the script's process group
 
     disarm = arm(session, HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer))  # issue 16
     try:

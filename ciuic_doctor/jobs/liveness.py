@@ -2,7 +2,7 @@
 
 Before this, a SIGSTOPped rank left the survivor blocked until the gloo timeout (the spec's 1800 s by
 default), then printing a raw gloo traceback, and the summary said "killed by SIGKILL" (issue 11). The
-job now runs comm-bench's heartbeat watch (probes/comm_faults.py): each step is a row; when a
+job now runs comm-bench's heartbeat watch (probes/comm/faults.py): each step is a row; when a
 collective fails, the survivors read the heartbeats and the first one to decide says which rank died or
 is not responding, and on which host.
 """
@@ -13,7 +13,7 @@ import os
 import socket
 from typing import Any
 
-from ciuic_doctor.probes.comm_faults import Terminated
+from ciuic_doctor.probes.comm.faults import Terminated
 
 __all__ = ["PARENT_ENV", "Terminated", "is_peer_failure", "parent_reports", "report", "start_watch"]
 
@@ -27,7 +27,7 @@ def start_watch(rank: int, world: int, timeout_s: float) -> Any | None:
     """The heartbeat watch of this rank (None for a world of one, or without a reachable store)."""
     import torch.distributed as dist
 
-    from ciuic_doctor.probes.comm_faults import Watch, default_store
+    from ciuic_doctor.probes.comm.faults import Watch, default_store
 
     if world < 2 or not dist.is_initialized():
         return None
@@ -61,7 +61,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 def report(watch: Any, exc: BaseException) -> str | None:
     """Diagnose once across the ranks; the message when this rank is the one to say it."""
-    from ciuic_doctor.probes.comm_faults import first_line
+    from ciuic_doctor.probes.comm.faults import first_line
 
     return watch.report(first_line(exc))
 

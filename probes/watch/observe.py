@@ -297,7 +297,7 @@ class Observer:
 
     # ---- the record --------------------------------------------------------------------------
     def observed(self) -> dict[str, Any]:
-        from ciuic_doctor.probes.watch_observe_sections import build
+        from ciuic_doctor.probes.watch.observe_sections import build
 
         return build(self)
 

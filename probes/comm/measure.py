@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ciuic_doctor.nccl import busbw_factor
-from ciuic_doctor.probes.comm_check import count_wrong, expected, fill_inputs, pattern_for
-from ciuic_doctor.probes.comm_collectives import DTYPES, REDUCING, Shape, allocate, launch
+from ciuic_doctor.probes.comm.check import count_wrong, expected, fill_inputs, pattern_for
+from ciuic_doctor.probes.comm.collectives import DTYPES, REDUCING, Shape, allocate, launch
 
 CORRUPT_ENV = "CIUIC_COMM_CORRUPT_RANK"  # test hook: this rank adds 1 to element 0 of every checked result
 

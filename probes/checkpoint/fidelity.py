@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ciuic_doctor.jobs.checkpoint import set_rng_state
-from ciuic_doctor.probes.checkpoint_options import DROPPABLE, Variant
+from ciuic_doctor.probes.checkpoint.options import DROPPABLE, Variant
 
 if TYPE_CHECKING:
     from ciuic_doctor.jobs.train import Trainer
@@ -165,8 +165,8 @@ def restart(
 ) -> Restart:
     """A fresh Trainer from `path`, `steps` more steps (every rank calls this)."""
     from ciuic_doctor.jobs import checkpoint as ckpt
-    from ciuic_doctor.probes.checkpoint_cost import agree
-    from ciuic_doctor.probes.checkpoint_inspect import classify
+    from ciuic_doctor.probes.checkpoint.cost import agree
+    from ciuic_doctor.probes.checkpoint.inspection import classify
 
     fresh_process_rng()
     trainer = make_trainer()

@@ -18,8 +18,8 @@ from typing import Any
 from ciuic_doctor.store import RunDir
 
 _OWN = (
-    str(Path(__file__).resolve().parent),  # probes/, installed as ciuic_doctor.probes
-    str(Path(__file__).resolve().parents[1] / "ciuic_doctor"),
+    str(Path(__file__).resolve().parents[1]),  # probes/, installed as ciuic_doctor.probes
+    str(Path(__file__).resolve().parents[2] / "ciuic_doctor"),
     "logging",
 )
 

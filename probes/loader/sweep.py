@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic_doctor.analysis.loader import halving_keep, pool
-from ciuic_doctor.probes.loader_measure import LoaderConfig, Plan, measure
+from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
 from ciuic_doctor.store import RunDir
 
 PROBE = "loader-sweep"

@@ -40,8 +40,8 @@ from typing import Any
 import psutil
 
 from ciuic_doctor import nvml
-from ciuic_doctor.probes.memwatch_proc import BasicReader
-from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
+from ciuic_doctor.probes.memwatch.proc import BasicReader
+from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
 from ciuic_doctor.store import JsonlWriter, RunDir
 
 STREAM = "memwatch"  # one record per process per sample, nothing else (the report reads it as is)

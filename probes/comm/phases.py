@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ciuic_doctor import nccl
-from ciuic_doctor.probes.comm_collectives import DTYPES, PLACEMENTS, allocate, elem_bytes, launch, shape
-from ciuic_doctor.probes.comm_faults import first_line
+from ciuic_doctor.probes.comm.collectives import DTYPES, PLACEMENTS, allocate, elem_bytes, launch, shape
+from ciuic_doctor.probes.comm.faults import first_line
 
 DEFAULT_NCCL_ALGOS = ("ring", "tree")
 DEBUG_LOG = "nccl_debug.log"

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ciuic_doctor.probes.watch_hang_where import format_stacks, peer_states, start_ticks, thread_stacks
+from ciuic_doctor.probes.watch.hang_where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.store import RunDir
 
 FR_BUFFER_DEFAULT = 2000  # entries per rank; torch 2.13 defaults to 2000 too (measured), older ones to 0
@@ -231,7 +231,7 @@ class HangWatchdog:
         self._undo.append(lambda: logger.removeHandler(handler))
 
     def _install_last_collective(self) -> None:
-        from ciuic_doctor.probes.watch_hang_last import install
+        from ciuic_doctor.probes.watch.hang_last import install
 
         self._undo.append(install(self.run.path / f"hang.rank{self.rank}.last.json"))
 
@@ -277,7 +277,7 @@ class HangWatchdog:
         """Under `ciuic-doctor watch` the process's one wakeup fd belongs to watch_exit's helper thread
         (it records a SIGTERM death in meta.json): take SIGUSR1 and SIGTERM from that thread instead, so a
         request still works while the main thread is blocked in a collective, and SIGTERM dumps first."""
-        from ciuic_doctor.probes import watch_exit
+        from ciuic_doctor.probes.watch import exit as watch_exit
 
         previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: None)  # the fd needs a handler
         undo_usr1 = watch_exit.on_signal(signal.SIGUSR1, self._request)

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.probes.loader_measure import one_line
+from ciuic_doctor.probes.loader.measure import one_line
 
 SYNTHETIC_SAMPLES = 100_000  # samples are made on the fly; the length only bounds an epoch
 _HASH_CHUNK = b"\x5a" * 4096  # one sha256 over 4 KiB ≈ 5-10 µs: fine-grained enough to stop on time

@@ -39,8 +39,10 @@ from typing import Any
 
 import torch
 
-from ciuic_doctor.probes import watch_children, watch_frameworks, watch_hooks
-from ciuic_doctor.probes.watch_steps import (
+from ciuic_doctor.probes.watch import children as watch_children
+from ciuic_doctor.probes.watch import frameworks as watch_frameworks
+from ciuic_doctor.probes.watch import hooks as watch_hooks
+from ciuic_doctor.probes.watch.steps import (
     Group,
     OptimizerState,
     grad_norm,
@@ -49,8 +51,8 @@ from ciuic_doctor.probes.watch_steps import (
     optimizer_params,
     total_loss,
 )
-from ciuic_doctor.probes.watch_target import exit_code, run_script  # noqa: F401 - the public runner
-from ciuic_doctor.probes.watch_values import (
+from ciuic_doctor.probes.watch.target import exit_code, run_script  # noqa: F401 - the public runner
+from ciuic_doctor.probes.watch.values import (
     PendingQueue,
     Replicas,
     UssSampler,
@@ -143,7 +145,7 @@ class WatchSession:
         if rank is not None:
             self._continue_run(rank)
         if config.snapshot_on_leak and torch.cuda.is_available():
-            from ciuic_doctor.probes.watch_snapshot import LeakSnapshot
+            from ciuic_doctor.probes.watch.snapshot import LeakSnapshot
 
             self._snapshot = LeakSnapshot(run=run, rank=self.rank)
 
@@ -245,8 +247,8 @@ class WatchSession:
             self._undo.append(watch_children.install(self))
         atexit.register(self._at_exit)
         self._undo.append(functools.partial(atexit.unregister, self._at_exit))
-        # issue 14: record what the script configured into meta.json "observed" (probes/watch_observe.py)
-        from ciuic_doctor.probes import watch_observe
+        # issue 14: record what the script configured into meta.json "observed" (probes/watch/observe.py)
+        from ciuic_doctor.probes.watch import observe as watch_observe
 
         self._undo += watch_observe.install(self)
 

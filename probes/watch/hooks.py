@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ciuic_doctor.probes.watch_steps import found_inf
+from ciuic_doctor.probes.watch.steps import found_inf
 
 
 def backward(session: Any, original: Callable) -> Callable:

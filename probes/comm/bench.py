@@ -27,8 +27,8 @@ import torch.distributed as dist
 from ciuic_doctor import nccl
 from ciuic_doctor.errors import ProbeFailed
 from ciuic_doctor.launch import agree_on_run_dir, init_distributed
-from ciuic_doctor.probes import comm_table
-from ciuic_doctor.probes.comm_collectives import (
+from ciuic_doctor.probes.comm import table as comm_table
+from ciuic_doctor.probes.comm.collectives import (
     NCCL_TESTS_TYPE,
     PLACEMENT_NOTE,
     PLACEMENTS,
@@ -38,7 +38,7 @@ from ciuic_doctor.probes.comm_collectives import (
     shape,
     sweep_sizes,
 )
-from ciuic_doctor.probes.comm_faults import (
+from ciuic_doctor.probes.comm.faults import (
     Terminated,
     Watch,
     default_store,
@@ -46,8 +46,8 @@ from ciuic_doctor.probes.comm_faults import (
     first_line,
     inject,
 )
-from ciuic_doctor.probes.comm_measure import Timing, aggregate, measure_row
-from ciuic_doctor.probes.comm_phases import (
+from ciuic_doctor.probes.comm.measure import Timing, aggregate, measure_row
+from ciuic_doctor.probes.comm.phases import (
     Phase,
     enable_tuning_log,
     nccl_version,

@@ -22,7 +22,7 @@ TOTAL_STEPS_ARGS = ("total_steps", "num_training_steps", "T_max", "total_iters")
 def build(observer: Any) -> dict[str, Any]:
     """The `observed` record of one watch session (see watch_observe)."""
     from ciuic_doctor.envinfo import redact_argv
-    from ciuic_doctor.probes.watch_observe import OBSERVED_SCHEMA, script_name
+    from ciuic_doctor.probes.watch.observe import OBSERVED_SCHEMA, script_name
 
     argv = observer.argv if observer.argv else [*sys.argv]
     schedulers = [{k: v for k, v in s.items() if k != "_id"} for s in observer.schedulers]

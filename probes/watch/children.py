@@ -52,7 +52,7 @@ def resolve_rank() -> int:
 
 
 def _forget_in_forked_child() -> None:
-    from ciuic_doctor.probes import watch as probe_watch
+    from ciuic_doctor.probes.watch import session as probe_watch
 
     session = probe_watch.current()
     if session is not None:
@@ -73,7 +73,7 @@ class WatchedTarget:
         self.index = index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ciuic_doctor.probes import watch as probe_watch
+        from ciuic_doctor.probes.watch import session as probe_watch
         from ciuic_doctor.store import RunDir
 
         _STATE["spawn_index"] = self.index

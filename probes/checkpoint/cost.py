@@ -68,7 +68,7 @@ class Methods:
 
     @classmethod
     def from_options(cls, save: str | None, load: str | None) -> Methods:
-        from ciuic_doctor.probes.checkpoint_options import resolve_callable
+        from ciuic_doctor.probes.checkpoint.options import resolve_callable
 
         methods = cls()
         if save:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ciuic_doctor.probes.comm_collectives import Buffers, Shape
+from ciuic_doctor.probes.comm.collectives import Buffers, Shape
 
 # Largest M such that every integer in [0, M] is exact in the dtype (2**(mantissa bits + 1)).
 EXACT_UP_TO = {"float32": 2**24, "float16": 2**11, "bfloat16": 2**8, "float64": 2**53,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ciuic_doctor.errors import ProbeFailed
 from ciuic_doctor.launch import agree_on_run_dir, default_pg_timeout_s
-from ciuic_doctor.probes.checkpoint_cost import (
+from ciuic_doctor.probes.checkpoint.cost import (
     Methods,
     agree,
     distributed,
@@ -37,9 +37,9 @@ from ciuic_doctor.probes.checkpoint_cost import (
     measure_save,
     torch_load,
 )
-from ciuic_doctor.probes.checkpoint_fidelity import fingerprint, restart, train_steps, without
-from ciuic_doctor.probes.checkpoint_inspect import absent, check_safety, inspect_record
-from ciuic_doctor.probes.checkpoint_options import Variant, parse_drops
+from ciuic_doctor.probes.checkpoint.fidelity import fingerprint, restart, train_steps, without
+from ciuic_doctor.probes.checkpoint.inspection import absent, check_safety, inspect_record
+from ciuic_doctor.probes.checkpoint.options import Variant, parse_drops
 from ciuic_doctor.store import RunDir, default_run_path
 from ciuic_doctor.units import format_bytes
 

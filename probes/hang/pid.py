@@ -27,8 +27,8 @@ import psutil
 
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
-from ciuic_doctor.probes.memwatch_tree import ProcessTree, attach
-from ciuic_doctor.probes.watch_hang_where import process_state
+from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
+from ciuic_doctor.probes.watch.hang_where import process_state
 from ciuic_doctor.store import RunDir, default_run_path
 
 _FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")

@@ -1,0 +1,16 @@
+"""watch: per-step records from inside an unchanged training script (`ciuic-doctor watch -- train.py`).
+
+Measures, per rank and per optimizer step: step time, time before backward, loss, LR, grad norm, loss
+scale and skipped steps, memory (host RSS/USS, CUDA allocated/reserved), and every K steps a cross-rank
+weight checksum; records what the script configured (`observed`); arms a hang watchdog.
+Writes: RUN/steps.rank<R>.jsonl (one record a step), meta.json `observed` and `probes.watch`,
+RUN/hang.rank<R>.json (+ .last.json, hang.fr/) when a rank stops making progress.
+
+    session.py    WatchSession: installs the hooks, writes the step records
+    hooks.py      the wrappers around torch functions (backward, clip, GradScaler, DDP, Optimizer)
+    steps.py      what one step collects; values.py  memory, checksum, deferred device reads
+    observe.py, observe_sections.py  the script's settings -> meta.json `observed`
+    frameworks.py step numbers from Lightning / HF counters; children.py  ranks the script launches
+    target.py     the script, directory or -m module watch runs; exit.py  how the process ended
+    hang.py, hang_last.py, hang_where.py  the hang watchdog; snapshot.py  CUDA allocator history on a leak
+"""

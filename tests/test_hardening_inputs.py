@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from ciuic_doctor.commands import _common
+from ciuic_doctor import cli_args as _common
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.spec import load_spec, with_updates
 from ciuic_doctor.store import RunDir

@@ -27,7 +27,7 @@ import argparse
 import os
 from pathlib import Path
 
-from ciuic_doctor.commands._common import add_out, positive_int
+from ciuic_doctor.cli_args import add_out, positive_int
 
 NAME = "checkpoint-check"
 HELP = "checkpoint save/load cost, barrier wait vs timeout, resume fidelity, unsafe pickle"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, positive_float, positive_int
 
 NAME = "checkup"
 HELP = "measure the job end to end (collectives, loader, steps, memory) and write the report"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.commands._common import add_out, non_negative_int, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, non_negative_int, positive_float, positive_int
 
 NAME = "comm-bench"
 HELP = "nccl-tests-style collective benchmark (busbw, #wrong, ring vs tree) under torchrun"

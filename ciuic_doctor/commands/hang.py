@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from ciuic_doctor.commands._common import positive_float
+from ciuic_doctor.cli_args import positive_float
 
 NAME = "hang"
 HELP = "which rank a hung job waits for, where it is and why (from watch's dumps, or --pid with py-spy)"

@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from ciuic_doctor.commands._common import add_out, non_negative_float, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, non_negative_float, positive_float, positive_int
 
 NAME = "loader-sweep"
 HELP = "measure num_workers / prefetch_factor / pin_memory for your dataset within a CPU and time budget"

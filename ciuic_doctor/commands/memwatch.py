@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, positive_float, positive_int
 
 NAME = "memwatch"
 HELP = "attach to a running job by PID; sample memory of every rank and worker (no torch import)"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ciuic_doctor.commands._common import positive_float
+from ciuic_doctor.cli_args import positive_float
 
 NAME = "stability"
 HELP = "loss spikes, divergence, overflow storms and loss-scale collapse, from our steps or framework logs"

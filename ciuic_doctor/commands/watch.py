@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from ciuic_doctor.commands._common import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, positive_float, positive_int
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"

@@ -25,16 +25,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ciuic_doctor.errors import UserError
-
-if TYPE_CHECKING:
-    from ciuic_doctor.jobs.train import Trainer
+from ciuic_doctor.jobs.options import TrainerView
 
 FORMAT = 1
 _NAME = re.compile(r"^step(\d+)\.pt$")
@@ -132,7 +130,7 @@ def resolve_resume(path: str | Path) -> Path:
     raise UserError(f"--resume {path}: no such file or directory")
 
 
-def save_checkpoint(trainer: Trainer, directory: Path, *, keep: int = 2) -> SaveTiming:
+def save_checkpoint(trainer: TrainerView, directory: Path, *, keep: int = 2) -> SaveTiming:
     """Save `trainer` (rank 0 writes; every rank must call this), keep the newest `keep` files."""
     step = trainer.step
     path = checkpoint_path(directory, step)
@@ -173,7 +171,7 @@ def save_checkpoint(trainer: Trainer, directory: Path, *, keep: int = 2) -> Save
     )
 
 
-def load_checkpoint(path: Path, trainer: Trainer) -> LoadTiming:
+def load_checkpoint(path: Path, trainer: TrainerView) -> LoadTiming:
     """Restore `trainer` from `path` on this rank (every rank reads the file itself)."""
     start = time.perf_counter()
     try:

@@ -15,12 +15,12 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.jobs.options import JobOptions, TrainerView, World, median_step_s
 from ciuic_doctor.store import RunDir, default_run_path
 
 if TYPE_CHECKING:
     from ciuic_doctor.jobs.checkpoint import LoadTiming, SaveTiming
     from ciuic_doctor.jobs.spec import JobSpec
-    from ciuic_doctor.jobs.train import JobOptions, Trainer, World
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -94,7 +94,7 @@ class JobProgress:
             self.losses.append(record["loss"])
         self._print(step_line(record, self.spec.job.steps))
 
-    def started(self, trainer: Trainer) -> None:
+    def started(self, trainer: TrainerView) -> None:
         world = self.world
         info = {
             "world_size": world.world,
@@ -132,7 +132,7 @@ class JobProgress:
         if self.session is not None:
             self.session.set_step(step)
 
-    def stepped(self, trainer: Trainer, elapsed_s: float) -> None:
+    def stepped(self, trainer: TrainerView, elapsed_s: float) -> None:
         if self.session is None and self.lead:  # no watch records to print from: read the loss here
             loss = float(trainer.last_loss)
             self.losses.append(loss)
@@ -146,9 +146,7 @@ class JobProgress:
             f"save {timing.save_s:.2f} s, barrier {timing.barrier_wait_s:.2f} s)"
         )
 
-    def finished(self, trainer: Trainer) -> None:
-        from ciuic_doctor.jobs.train import median_step_s
-
+    def finished(self, trainer: TrainerView) -> None:
         loop_s = time.perf_counter() - self._start
         median = median_step_s(trainer.step_times_s)
         if self.lead and self.run is not None:

@@ -24,12 +24,9 @@ import contextlib
 import inspect
 import math
 import os
-import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,18 +36,10 @@ from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.data import batches_per_epoch, make_loader
 from ciuic_doctor.jobs.inject import Injections
 from ciuic_doctor.jobs.model import build_model, parameter_count
+from ciuic_doctor.jobs.options import JobOptions, World
 from ciuic_doctor.jobs.spec import JobSpec
 
 PRECISION_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(kw_only=True)
-class World:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    backend: str | None = None  # None: a single process without a process group
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 def setup_distributed(spec: JobSpec) -> World:
@@ -297,21 +286,7 @@ class Trainer:
         self.stop_workers()
 
 
-def median_step_s(times: list[float]) -> float | None:
-    """Median step time without the first step (DataLoader start-up, allocator warm-up)."""
-    steady = times[1:] or times
-    return statistics.median(steady) if steady else None
-
-
 # ---- the job as a whole ---------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class JobOptions:
-    injections: Injections = field(default_factory=Injections)
-    resume: Path | None = None
-    watch: bool = True
-    out: str | None = None
-
-
 def run_job(spec: JobSpec, options: JobOptions) -> int:
     """Train `spec` in this process (one rank of torchrun, or a world of one); returns the exit code."""
     from ciuic_doctor.errors import ProbeFailed
@@ -367,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     rank), never launching ranks itself; the form to run under `ciuic-doctor watch -- -m ...`."""
     import argparse
 
-    from ciuic_doctor.commands import job
+    from ciuic_doctor.jobs import options as job_options
 
     parser = argparse.ArgumentParser(prog="python -m ciuic_doctor.jobs.train", description=main.__doc__)
-    job.add_arguments(parser)
+    job_options.add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        spec, options = job.resolve(args)
+        spec, options = job_options.resolve(args)
         return run_job(spec, options)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -275,7 +275,7 @@ class Check:
 
     def execute(self) -> int:
         from ciuic_doctor.analysis.checkpoint import REFERENCE
-        from ciuic_doctor.jobs.train import median_step_s
+        from ciuic_doctor.jobs.options import median_step_s
 
         trainer = self.make_trainer()
         self.start(trainer)

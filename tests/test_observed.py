@@ -190,8 +190,8 @@ def test_observed_values_the_spec_cannot_hold_stay_assumed():
 def test_a_script_without_a_dataloader_gets_no_loader_sweep_and_tip_2_says_why(tmp_path):
     import argparse
 
-    from ciuic_doctor.commands._checkup_script import _loader_phase
-    from ciuic_doctor.commands.checkup import Checkup
+    from ciuic_doctor.checkup.phases import Checkup
+    from ciuic_doctor.checkup.script import _loader_phase
     from ciuic_doctor.recommend import Context
     from ciuic_doctor.seed_tips import evaluate_tips
 

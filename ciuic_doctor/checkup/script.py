@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.commands.checkup import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
+from ciuic_doctor.checkup.phases import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
 
 OBSERVED_SPEC = "checkup-observed.toml"  # the observed job as a spec file, for loader-sweep's --spec
 PHASES = ("comm-bench", "job", "memwatch", "loader-sweep", "checkpoint-check")

@@ -1,7 +1,7 @@
 """The processes a watched script starts: ranks it launches itself record their own streams; forks none.
 
 - `torch.multiprocessing.spawn` (the DDP tutorial's multigpu.py) and any `multiprocessing.Process` whose
-  target is the script's own function: the target is wrapped (`WatchedTarget`, picklable, so it crosses
+  target is the script's own function: the target is wrapped (session.WatchedTarget, picklable, so it crosses
   into a spawned interpreter) and attaches a session in the child before the user's function runs. The
   child's rank is the process group's once `init_process_group` ran (mp.spawn scripts pass it there),
   else $RANK, else the spawn index.
@@ -22,7 +22,6 @@ import os
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,48 +50,14 @@ def resolve_rank() -> int:
     return _STATE["spawn_index"] or 0
 
 
-def _forget_in_forked_child() -> None:
-    from ciuic_doctor.probes.watch import session as probe_watch
+def spawn_started(index: int | None) -> None:
+    """In a child the script started with a watched target: remember its spawn index (for resolve_rank)."""
+    _STATE["spawn_index"] = index
 
-    session = probe_watch.current()
-    if session is not None:
-        session.forget_in_child()
+
+def forget_children() -> None:
+    """In a forked child: none of the parent's children are this process's."""
     _STATE["children"] = 0
-
-
-os.register_at_fork(after_in_child=_forget_in_forked_child)
-
-
-class WatchedTarget:
-    """A multiprocessing target with watch attached around it (pickled by reference to this module)."""
-
-    def __init__(self, target: Callable, *, run_path: str, config: dict[str, Any], index: int | None):
-        self.target = target
-        self.run_path = run_path
-        self.config = config
-        self.index = index
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ciuic_doctor.probes.watch import session as probe_watch
-        from ciuic_doctor.store import RunDir
-
-        _STATE["spawn_index"] = self.index
-        active = probe_watch.current()
-        if active is not None:  # a fork start: the parent's session was inherited
-            active.forget_in_child()
-        config = probe_watch.WatchConfig(**self.config)
-        session = probe_watch.attach(run=RunDir(Path(self.run_path)), rank=None, config=config)
-        try:
-            return self.target(*args, **kwargs)
-        finally:
-            session.close()
-            if session.steps_written:
-                where = session.run.stream_path("steps", session.rank)
-                print(
-                    f"ciuic-doctor watch: rank {session.rank} (pid {os.getpid()}, started by the script): "
-                    f"{session.steps_written} steps recorded in {where}",
-                    file=sys.stderr,
-                )
 
 
 def install(session: Any) -> Callable[[], None]:
@@ -112,9 +77,7 @@ def install(session: Any) -> Callable[[], None]:
             target = getattr(process, "_target", None)
             if not session._closed and _is_user_target(target):
                 index = _spawn_index(target, getattr(process, "_args", ()))
-                process._target = WatchedTarget(
-                    target, run_path=str(session.run.path), config=asdict(session.config), index=index
-                )
+                process._target = session.watched_target(target, index=index)
                 _STATE["children"] += 1
             return original(process)
 
@@ -143,7 +106,7 @@ def install(session: Any) -> Callable[[], None]:
 
 def _is_user_target(target: Any) -> bool:
     """The script's own function or mp.spawn's entry point; not DataLoader workers or pool internals."""
-    if target is None or isinstance(target, WatchedTarget):
+    if target is None or getattr(target, "watched", False):  # a session.WatchedTarget already
         return False
     module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
     return module in _USER_MODULES or (module, name) == _TORCH_SPAWN_WRAP

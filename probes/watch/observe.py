@@ -43,7 +43,6 @@ import torch
 
 from ciuic_doctor.envinfo import redact_env
 
-OBSERVED_SCHEMA = 1
 # The variables a job sets to tune its collectives (the spec's [distributed.env]); launcher-set ones
 # (TORCHELASTIC_*, RANK, MASTER_ADDR) describe the launch, not the job's settings.
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "GLOO_", "PYTORCH_CUDA_ALLOC_CONF")
@@ -445,22 +444,6 @@ def _constructor_frame(cls: type) -> Any:
 
 def _distributed_env() -> dict[str, str]:
     return redact_env({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
-
-
-def script_name(argv: list[str]) -> str:
-    """What the report calls the job: the script's file name, or the module's name for `-m`.
-
-    >>> script_name(["runs/train.py", "--lr", "3e-4"])
-    'train.py'
-    >>> script_name(["/site-packages/mypkg/__main__.py", "train"])
-    'mypkg train'
-    """
-    if not argv:
-        return "script"
-    path = Path(argv[0])
-    if path.name == "__main__.py":  # `python -m package`: name the package (and its sub-command)
-        return " ".join([path.parent.name, *argv[1:2]])
-    return path.name
 
 
 def _plain(value: Any) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.launch import default_pg_timeout_s
@@ -19,10 +20,28 @@ OPTIMIZER_NAMES = {"adamw": "adamw", "adam": "adam", "sgd": "sgd", "fusedadam": 
 TOTAL_STEPS_ARGS = ("total_steps", "num_training_steps", "T_max", "total_iters")
 
 
+OBSERVED_SCHEMA = 1
+
+
+def script_name(argv: list[str]) -> str:
+    """What the report calls the job: the script's file name, or the module's name for `-m`.
+
+    >>> script_name(["runs/train.py", "--lr", "3e-4"])
+    'train.py'
+    >>> script_name(["/site-packages/mypkg/__main__.py", "train"])
+    'mypkg train'
+    """
+    if not argv:
+        return "script"
+    path = Path(argv[0])
+    if path.name == "__main__.py":  # `python -m package`: name the package (and its sub-command)
+        return " ".join([path.parent.name, *argv[1:2]])
+    return path.name
+
+
 def build(observer: Any) -> dict[str, Any]:
     """The `observed` record of one watch session (see watch_observe)."""
     from ciuic_doctor.envinfo import redact_argv
-    from ciuic_doctor.probes.watch.observe import OBSERVED_SCHEMA, script_name
 
     argv = observer.argv if observer.argv else [*sys.argv]
     schedulers = [{k: v for k, v in s.items() if k != "_id"} for s in observer.schedulers]

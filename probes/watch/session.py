@@ -34,7 +34,8 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,6 +108,49 @@ def attach(*, run: RunDir, rank: int | None = None, config: WatchConfig | None =
     return session
 
 
+# ---- processes the script starts (children.py patches the launchers; these run in the child) ------
+def _forget_in_forked_child() -> None:
+    session = current()
+    if session is not None:
+        session.forget_in_child()
+    watch_children.forget_children()
+
+
+os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
+class WatchedTarget:
+    """A multiprocessing target with watch attached around it (pickled by reference to this module): what
+    children.install puts in place of the script's own target, so the child records its own stream."""
+
+    watched = True  # children.install never wraps a target twice
+
+    def __init__(self, target: Callable, *, run_path: str, config: dict[str, Any], index: int | None):
+        self.target = target
+        self.run_path = run_path
+        self.config = config
+        self.index = index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        watch_children.spawn_started(self.index)
+        active = current()
+        if active is not None:  # a fork start: the parent's session was inherited
+            active.forget_in_child()
+        config = WatchConfig(**self.config)
+        session = attach(run=RunDir(Path(self.run_path)), rank=None, config=config)
+        try:
+            return self.target(*args, **kwargs)
+        finally:
+            session.close()
+            if session.steps_written:
+                where = session.run.stream_path("steps", session.rank)
+                print(
+                    f"ciuic-doctor watch: rank {session.rank} (pid {os.getpid()}, started by the script): "
+                    f"{session.steps_written} steps recorded in {where}",
+                    file=sys.stderr,
+                )
+
+
 class WatchSession:
     """The hooks of one process and the stream they write. Use `attach()`; close with `close()`."""
 
@@ -155,6 +199,10 @@ class WatchSession:
         if self._rank is None:
             return watch_children.resolve_rank()
         return self._rank
+
+    def watched_target(self, target: Callable, *, index: int | None) -> WatchedTarget:
+        """`target` (a process the script starts) wrapped so that its process records its own stream."""
+        return WatchedTarget(target, run_path=str(self.run.path), config=asdict(self.config), index=index)
 
     def set_step(self, step: int) -> None:
         """The number of steps already done (a resumed job): the next record is step + 1."""

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# checkpoint stream: the `variant` of the resume record every other variant is compared with
+RESUME_REFERENCE = "reference"
+
 NON_FINITE = frozenset({"nan", "inf", "-inf", "NaN", "Infinity", "-Infinity"})
 
 INT = frozenset({"int"})

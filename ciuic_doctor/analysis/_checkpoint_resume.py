@@ -18,10 +18,11 @@ from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor.findings import Finding
+from ciuic_doctor.schemas import RESUME_REFERENCE
 from ciuic_doctor.store import as_float
 
 PROBE = "checkpoint"
-REFERENCE = "reference"
+REFERENCE = RESUME_REFERENCE
 APPROX_RTOL = 1e-4
 FIELD_KIND = {
     "params": "model",

@@ -16,12 +16,17 @@ records without torch.
 from __future__ import annotations
 
 import math
-import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor import nccl
 from ciuic_doctor.findings import Finding
+from ciuic_doctor.measures.ranks import (  # noqa: F401 - part of this module's API
+    STRAGGLER_MIN_ROWS,
+    STRAGGLER_PCT,
+    STRAGGLER_SHARE,
+    slowest_rank,
+)
 from ciuic_doctor.store import RunDir, as_float
 from ciuic_doctor.units import format_bytes
 
@@ -32,11 +37,6 @@ DEFAULT_BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb default
 # Two timings closer than this are not told apart: repeated nccl-tests runs on a quiet cluster already
 # differ by a few percent, and a recommendation inside that band would be folklore again.
 NOISE_PCT = 5.0
-# A straggler is the slowest rank in at least this share of rows, by at least STRAGGLER_PCT, over at
-# least STRAGGLER_MIN_ROWS rows: one slow row is noise, the same rank every time is a finding.
-STRAGGLER_SHARE = 0.75
-STRAGGLER_PCT = 5.0
-STRAGGLER_MIN_ROWS = 4
 FLOOR_FRACTION = 0.9  # nccl-tests fails a run whose average busbw is below 0.9 x the floor
 
 
@@ -257,44 +257,31 @@ def algo_choice(rows: list[dict[str, Any]], *, bucket_bytes: int) -> Finding:
 
 def straggler(rows: list[dict[str, Any]]) -> Finding:
     """The rank that is slowest in most rows, by a margin over the median of the other ranks."""
-    timed = [r for r in rows if len(r.get("rank_time_us") or []) >= 2]
-    if not timed:
+    slow = slowest_rank(rows)
+    if slow is None:
         return Finding(
             probe=PROBE,
             check="straggler",
             verdict="not_run",
             summary="needs per-rank times from at least 2 ranks",
         )
-    slowest: Counter[int] = Counter()
-    slowdowns: dict[int, list[float]] = defaultdict(list)
-    hosts: dict[int, str] = {}
-    for r in timed:
-        times = [as_float(t) or 0.0 for t in r["rank_time_us"]]
-        worst = max(range(len(times)), key=times.__getitem__)
-        others = statistics.median(t for i, t in enumerate(times) if i != worst)
-        slowest[worst] += 1
-        slowdowns[worst].append((times[worst] / others - 1) * 100 if others > 0 else 0.0)
-        if r.get("slowest_rank") == worst and r.get("slowest_host"):
-            hosts[worst] = r["slowest_host"]
-    rank, count = slowest.most_common(1)[0]
-    slowdown = statistics.median(slowdowns[rank])
+    rank, count, slowdown, hosts = slow.rank, slow.rows_slowest, slow.slowdown_pct, slow.hosts
     evidence = {
         "rank": rank,
         "host": hosts.get(rank),
         "slowdown_pct": slowdown,
         "rows_slowest": count,
-        "rows": len(timed),
+        "rows": slow.rows,
         "threshold_pct": STRAGGLER_PCT,
     }
-    consistent = count >= STRAGGLER_MIN_ROWS and count / len(timed) >= STRAGGLER_SHARE
-    if consistent and slowdown >= STRAGGLER_PCT:
+    if slow.is_straggler:
         return Finding(
             probe=PROBE,
             check="straggler",
             verdict="warn",
             evidence=evidence,
             where={"rank": rank, "host": hosts.get(rank)},
-            summary=f"rank {rank} on {hosts.get(rank) or '?'} is the slowest in {count} of {len(timed)} "
+            summary=f"rank {rank} on {hosts.get(rank) or '?'} is the slowest in {count} of {slow.rows} "
             f"rows, by {slowdown:.0f}% (median) over the other ranks",
         )
     return Finding(
@@ -303,7 +290,7 @@ def straggler(rows: list[dict[str, Any]]) -> Finding:
         verdict="pass",
         evidence={**evidence, "rank": None, "host": None},
         summary=f"no rank is consistently slower (most often slowest: rank {rank}, {count} of "
-        f"{len(timed)} rows, median {slowdown:.1f}%)",
+        f"{slow.rows} rows, median {slowdown:.1f}%)",
     )
 
 

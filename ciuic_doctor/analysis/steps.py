@@ -39,31 +39,16 @@ from ciuic_doctor.analysis._crossrank import (
     step_matrix,
 )
 from ciuic_doctor.findings import Finding
+from ciuic_doctor.measures.ranks import CHECKSUM_RTOL, differing_ranks  # noqa: F401 - part of this module's API
 from ciuic_doctor.store import RunDir, as_float
 
 STREAMS = ("steps",)
 PROBE = "steps"
-CHECKSUM_RTOL = 1e-12  # float64 sums of identical replicas are bit-identical; this absorbs JSON rounding
 WARMUP_STEPS = 2  # step 1 has no step time; step 2 still warms allocator and DataLoader
 MIN_STEADY_STEPS = 5  # keep the warm-up steps when fewer than this many would remain
 STRAGGLER_MIN_PCT = (
     100 * SLOW_FRACTION
 )  # a slowest rank costing < 10 % of the step time is not worth acting on
-
-
-def differing_ranks(checksums: list[float], ranks: list[int]) -> list[int]:
-    """Ranks whose checksum differs from the first rank's (DDP broadcasts from rank 0). NaN differs.
-
-    >>> differing_ranks([1.5, 1.5, 1.25], [0, 1, 2])
-    [2]
-    """
-    reference = checksums[0]
-    tolerance = CHECKSUM_RTOL * max(1.0, abs(reference))
-    return [
-        rank
-        for rank, value in zip(ranks, checksums, strict=True)
-        if not abs(value - reference) <= tolerance  # written so that NaN counts as different
-    ]
 
 
 COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks")

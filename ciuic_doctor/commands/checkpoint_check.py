@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 
 from ciuic_doctor.cli_args import add_out, positive_int
+from ciuic_doctor.store import RunDir
 
 NAME = "checkpoint-check"
 HELP = "checkpoint save/load cost, barrier wait vs timeout, resume fidelity, unsafe pickle"
@@ -131,6 +132,18 @@ def _child_argv(args: argparse.Namespace, run_path: Path) -> list[str]:
     return argv  # --strict is the parent's to apply: a rank's exit 1 would read as a dead rank
 
 
+def summarize(run: RunDir, *, strict: bool = False) -> int:
+    """Print the checkpoint findings; 1 with `strict` when any failed."""
+    from ciuic_doctor.analysis import checkpoint
+
+    findings = checkpoint.analyze(run)
+    print()
+    for line in checkpoint.summary_lines(findings):
+        print(line)
+    print(f"records: {run.stream_path('checkpoint')}; next: ciuic-doctor report {run.path}", flush=True)
+    return 1 if strict and any(f.verdict == "fail" for f in findings) else 0
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -141,12 +154,13 @@ def run(args: argparse.Namespace) -> int:
     if args.inspect:
         from ciuic_doctor.probes.checkpoint.check import run_inspect
 
-        return run_inspect(Path(args.inspect), args.out, strict=args.strict)
+        return summarize(run_inspect(Path(args.inspect), args.out), strict=args.strict)
     if in_torchrun() or (args.nproc or DEFAULT_NPROC) == 1:
         from ciuic_doctor.probes.checkpoint.check import run_check
 
         try:
-            return run_check(_config(args, sys.argv[1:]))
+            run_dir = run_check(_config(args, sys.argv[1:]))
+            return summarize(run_dir, strict=args.strict) if run_dir is not None else 0
         except ProbeFailed:
             if os.environ.get(PARENT_ENV):
                 return 1

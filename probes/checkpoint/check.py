@@ -40,6 +40,7 @@ from ciuic_doctor.probes.checkpoint.cost import (
 from ciuic_doctor.probes.checkpoint.fidelity import fingerprint, restart, train_steps, without
 from ciuic_doctor.probes.checkpoint.inspection import absent, check_safety, inspect_record
 from ciuic_doctor.probes.checkpoint.options import Variant, parse_drops
+from ciuic_doctor.schemas import RESUME_REFERENCE
 from ciuic_doctor.store import RunDir, default_run_path
 from ciuic_doctor.units import format_bytes
 
@@ -273,8 +274,8 @@ class Check:
                 + (f"; lacks {', '.join(missing)}" if missing else "")
             )
 
-    def execute(self) -> int:
-        from ciuic_doctor.analysis.checkpoint import REFERENCE
+    def execute(self) -> RunDir | None:
+        """Measure; the run directory on rank 0 once every rank's records are on disk, None elsewhere."""
         from ciuic_doctor.jobs.options import median_step_s
 
         trainer = self.make_trainer()
@@ -288,7 +289,7 @@ class Check:
             self.measure_loads(path)
         reference = train_steps(trainer, self.cfg.steps_after)
         self.resume_record(
-            REFERENCE,
+            RESUME_REFERENCE,
             reference,
             fingerprint(trainer),
             median_step_s=median_step_s(trainer.step_times_s),
@@ -303,25 +304,13 @@ class Check:
             self.say(f"loads and resume not measured: {info['reason']}")
         agree(None, "finishing")  # every rank's records are on disk before rank 0 judges them
         if not self.lead:
-            return 0
+            return None
         self.run.record_probe(PROBE, status="ok", argv=self.cfg.argv, nproc=self.world.world)
-        return summarize(self.run, strict=self.cfg.strict)
+        return self.run
 
 
-def summarize(run: RunDir, *, strict: bool = False) -> int:
-    """Print the checkpoint findings; 1 with `strict` when any failed."""
-    from ciuic_doctor.analysis import checkpoint
-
-    findings = checkpoint.analyze(run)
-    print()
-    for line in checkpoint.summary_lines(findings):
-        print(line)
-    print(f"records: {run.stream_path(STREAM)}; next: ciuic-doctor report {run.path}", flush=True)
-    return 1 if strict and any(f.verdict == "fail" for f in findings) else 0
-
-
-def run_check(cfg: CheckConfig) -> int:
-    """This rank's part of checkpoint-check (under torchrun, launch_local, or alone)."""
+def run_check(cfg: CheckConfig) -> RunDir | None:
+    """This rank's part of checkpoint-check (under torchrun, launch_local, or alone): the run on rank 0."""
     check = Check(cfg)
     try:
         return check.execute()
@@ -335,7 +324,7 @@ def run_check(cfg: CheckConfig) -> int:
             dist.destroy_process_group()
 
 
-def run_inspect(path: Path, out: str | None, *, strict: bool = False) -> int:
+def run_inspect(path: Path, out: str | None) -> RunDir:
     """`--inspect CKPT`: one process, no training; the file is never unpickled beyond weights_only."""
     from ciuic_doctor.errors import UserError
 
@@ -351,4 +340,4 @@ def run_inspect(path: Path, out: str | None, *, strict: bool = False) -> int:
     print(f"inspect {path}: {format_bytes(record['size_bytes'])}, {record['container']}")
     for kind in sorted(found):
         print(f"  {kind:<11} {found[kind]}")
-    return summarize(run, strict=strict)
+    return run

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ciuic_doctor import nccl
 from ciuic_doctor.errors import ProbeFailed
 from ciuic_doctor.launch import agree_on_run_dir, init_distributed
+from ciuic_doctor.measures.ranks import slowest_rank
 from ciuic_doctor.probes.comm import table as comm_table
 from ciuic_doctor.probes.comm.collectives import (
     NCCL_TESTS_TYPE,
@@ -314,16 +315,18 @@ class Bench:
 
     def summary(self) -> str:
         """Rank 0's closing lines: rows, wrong elements, each table's average busbw, a straggler if any."""
-        from ciuic_doctor.analysis.comm import straggler
-
         avgs = ", ".join(f"{name} {avg:.3g}" for name, avg in self.table_avgs.items())
         lines = [
             f"# {self.rows} rows, {self.wrong_total} wrong elements, in {self.path / 'comm.jsonl'}",
             f"# average busbw (GB/s): {avgs}",
         ]
-        slow = straggler(self.records)
-        if slow.verdict == "warn":
-            lines.append(f"# straggler: {slow.summary}")
+        slow = slowest_rank(self.records)
+        if slow is not None and slow.is_straggler:
+            host = slow.hosts.get(slow.rank) or "?"
+            lines.append(
+                f"# straggler: rank {slow.rank} on {host} is the slowest in {slow.rows_slowest} of "
+                f"{slow.rows} rows, by {slow.slowdown_pct:.0f}% (median) over the other ranks"
+            )
         return "\n".join(lines)
 
     def finish(self, status: str, message: str | None, *, reporter: bool = False) -> None:

@@ -8,7 +8,7 @@ real DataLoader measured in a watched child process (`loader_measure`).
 Within the time budget the sweep does not run the whole grid at full length: it uses successive halving
 (Jamieson & Talwalkar 2016). Round 0 measures every configuration in a short time slot; each round keeps
 the best 1/eta (eta = 3) by rate, plus the cheapest configuration within noise of the leader (the one
-the analysis would recommend; `analysis.loader.halving_keep`), and measures the survivors again with a
+the analysis would recommend; `measures.loader_pool.halving_keep`), and measures the survivors again with a
 slot eta times longer. Measurements of one configuration pool across rounds. A slot covers the whole
 measurement (worker start-up and warm-up included, which differ between configurations and are unknown
 beforehand), so the schedule is planned in slots from the remaining budget and what earlier slots
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.analysis.loader import halving_keep, pool
+from ciuic_doctor.measures.loader_pool import halving_keep, pool
 from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
 from ciuic_doctor.store import RunDir
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ciuic_doctor.analysis.steps import differing_ranks
+from ciuic_doctor.measures.ranks import differing_ranks
 
 
 @dataclass(kw_only=True)

@@ -35,7 +35,6 @@ Sizes in `_mb` keys are MiB (2**20), like every size in ciuic-doctor.
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 from ciuic_doctor.analysis._memory_cuda import cuda_findings
@@ -52,13 +51,12 @@ from ciuic_doctor.analysis._memory_data import (
     _trend,
     _warm,
 )
-from ciuic_doctor.analysis._memory_ranks import one_per_job
+from ciuic_doctor.analysis._memory_workers import worker_findings
 from ciuic_doctor.analysis._trend import Trend, level_shift, robust_trend
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import RunDir, as_float
 
 STREAMS = ("memwatch", "steps")
-WORKER_MIN_BYTES = 16 * MIB
 FAIL_HORIZON_S = 24 * 3600.0
 # anon (RSS − file-backed − shmem) first: a leak grows it, while USS also rises when forked workers
 # un-share pages (copy-on-read) and RSS when a process reads a memory-mapped dataset (reclaimable)
@@ -308,96 +306,8 @@ def _leak_finding(
     )
 
 
-WORKER_KEYS = ("workers", "growing_workers", "uss_growth_mb", "rss_growth_mb", "pattern")
-
-
-def _workers(data: _Data) -> list[Finding]:
-    """One finding over every rank: USS of each rank's DataLoader workers over time (copy-on-read shows
-    as USS growth, flat RSS), the ranks whose workers grow named worst (largest median growth) first."""
-    ranks = sorted({int(r.rsplit(" ", 1)[1]) for r in data.role_pids if r.startswith("worker of rank ")})
-    if not ranks:
-        return [_not_run("worker_memory_growth", "memwatch saw no DataLoader workers (no child of a rank)")]
-    findings = [_rank_workers(data, rank) for rank in ranks]
-    return [
-        one_per_job(
-            "worker_memory_growth",
-            findings,
-            severity=lambda f: f.evidence["uss_growth_mb"],
-            keys=WORKER_KEYS,
-            what="DataLoader worker memory growth",
-        )
-    ]
-
-
-def _rank_workers(data: _Data, rank: int) -> Finding:
-    pids = data.role_pids[f"worker of rank {rank}"]
-    fits = []
-    for pid in pids:
-        samples = data.by_pid[pid]
-        t0 = samples[0]["t"]
-        trends = {}
-        for metric in ("uss", "rss", "pss"):
-            points = [(s["t"] - t0, s[metric]) for s in samples if s.get(metric) is not None]
-            series = Series(
-                x=[p[0] for p in points],
-                y=[p[1] for p in points],
-                x_unit="s",
-                metric=metric,
-                source="memwatch",
-                pid=pid,
-            )
-            trends[metric] = _trend(series)
-        if trends["uss"] is not None:
-            fits.append((pid, trends))
-    host = next((h for pid in pids if (h := data.by_pid[pid][0].get("host"))), None)
-    where = {"rank": rank, **({"host": host} if host else {})}
-    if not fits:
-        why = f"rank {rank}: workers' USS not readable or too few samples per worker (< {MIN_POINTS})"
-        return _not_run("worker_memory_growth", why, where=where)
-    growing = [pid for pid, t in fits if _grows(t["uss"], WORKER_MIN_BYTES)]
-
-    def median_growth(metric: str, fits: list = fits) -> float | None:
-        values = [t[metric].growth for _, t in fits if t[metric] is not None]
-        return statistics.median(values) / MIB if values else None
-
-    uss_mb, rss_mb = median_growth("uss"), median_growth("rss")
-    copy_on_read = uss_mb > 0 and (rss_mb is None or rss_mb < 0.5 * uss_mb)
-    evidence = {
-        "workers": len(fits),
-        "growing_workers": len(growing),
-        "pids": [pid for pid, _ in fits],
-        "uss_slope_bytes_per_s": round(statistics.median(t["uss"].slope for _, t in fits), 1),
-        "uss_growth_mb": round(uss_mb, 2),
-        "rss_growth_mb": None if rss_mb is None else round(rss_mb, 2),
-        "pss_growth_mb": None if (pss := median_growth("pss")) is None else round(pss, 2),
-        "total_uss_growth_mb": round(sum(t["uss"].growth for _, t in fits) / MIB, 2),
-        "pattern": "copy_on_read" if copy_on_read else "private_growth",
-    }
-    if 2 * len(growing) >= len(fits):
-        how = (
-            "USS grows while RSS stays flat: copy-on-read of the dataset's Python objects (refcount "
-            "writes un-share forked pages); keep them in numpy arrays, bytes or Arrow instead of lists "
-            "of objects"
-            if copy_on_read
-            else "RSS grows with USS: the workers allocate (a cache in the Dataset?)"
-        )
-        verdict = "warn"
-        summary = f"rank {rank}: {len(growing)} of {len(fits)} workers grow ~{uss_mb:.0f} MiB each: {how}"
-    else:
-        verdict = "pass"
-        summary = f"rank {rank}: workers' USS flat (median {uss_mb:+.1f} MiB over the watch)"
-    return Finding(
-        probe=PROBE,
-        check="worker_memory_growth",
-        verdict=verdict,
-        summary=summary,
-        evidence=evidence,
-        where=where,
-    )
-
-
 def analyze(run: RunDir) -> list[Finding]:
     """Every memory check that the run's records allow; the others say not_run and why."""
 
     data = _Data(run)
-    return [*_leaks(data), *cuda_findings(data), *_workers(data)]
+    return [*_leaks(data), *cuda_findings(data), *worker_findings(data)]

@@ -25,7 +25,7 @@ from ciuic_doctor.analysis._spikes import (
 from ciuic_doctor.findings import Finding
 
 if TYPE_CHECKING:
-    from ciuic_doctor.analysis.stability import Curve
+    from ciuic_doctor.analysis._stability_curve import Curve
     from ciuic_doctor.importers import StepLog
 
 PROBE = "stability"

@@ -75,13 +75,14 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
 
 def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Finding]:
     from ciuic_doctor.analysis import _stability_checks as checks
+    from ciuic_doctor.analysis._stability_scaler import scaler
 
     findings: list[Finding] = []
     diverged, divergence_findings = checks.divergence(curve)
     _, grad_spikes, spike_findings = checks.spikes(curve, diverged)
     findings += spike_findings + divergence_findings
     findings += checks.nonfinite(curve)
-    findings += checks.scaler(curve, log)
+    findings += scaler(curve, log)
     clip = clip_max_norm if clip_max_norm is not None else log.clip_max_norm
     findings += checks.clipping(curve, clip, grad_spikes)
     return findings

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuic_doctor.analysis import _trend, memory
+from ciuic_doctor.analysis import _memory_data, _trend, memory
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import RunDir
 from tests.conftest import run_cli
@@ -231,7 +231,7 @@ def test_flat_noise_is_never_a_leak(seed, n, level, noise, heavy):
     ys = [level * (1 + noise * draw() / 10) for _ in range(n)]
     trend = _trend.robust_trend(list(range(n)), ys)
     assert trend is not None
-    assert not memory._grows(trend, memory.LEAK_MIN_BYTES)
+    assert not _memory_data._grows(trend, _memory_data.LEAK_MIN_BYTES)
 
 
 def test_trend_doc_examples():

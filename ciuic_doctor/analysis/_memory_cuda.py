@@ -1,8 +1,8 @@
 """The CUDA side of the memory analysis: fragmentation, non-PyTorch device memory, empty_cache.
 
-Split from `memory.py` (which owns the data layer and the contract in its docstring) to keep each
-module readable in one sitting. Facts (reference/memory.md): there is no single fragmentation key —
-the signals are reserved − allocated, inactive_split_bytes, and num_alloc_retries > 0 (the allocator
+Split from `memory.py` (which owns the contract in its docstring; the data layer is `_memory_data`) to
+keep each module readable in one sitting. Facts (reference/memory.md): there is no single fragmentation
+key — the signals are reserved − allocated, inactive_split_bytes, and num_alloc_retries > 0 (the allocator
 freed its cache and retried a failed cudaMalloc); the OOM message itself advises
 `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` when reserved-but-unallocated is large; the NVML
 per-process figure is always ≥ reserved and the difference is memory PyTorch cannot see (CUDA
@@ -17,15 +17,10 @@ import math
 import statistics
 from typing import Any
 
-from ciuic_doctor.analysis._memory_ranks import one_per_job
-from ciuic_doctor.analysis._trend import robust_trend
-from ciuic_doctor.analysis.memory import (
+from ciuic_doctor.analysis._memory_data import (
     MIB,
     MIN_POINTS,
-    NON_PYTORCH_MIN_BYTES,
     PROBE,
-    UNUSED_CACHE_FRACTION,
-    UNUSED_CACHE_MIN_BYTES,
     WARMUP_STEPS,
     Series,
     _Data,
@@ -34,10 +29,15 @@ from ciuic_doctor.analysis.memory import (
     _slope_evidence,
     _trend,
 )
+from ciuic_doctor.analysis._memory_ranks import one_per_job
+from ciuic_doctor.analysis._trend import robust_trend
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import as_float
 
 EXPANDABLE = "expandable_segments:True"
+NON_PYTORCH_MIN_BYTES = 64 * MIB  # NCCL grows in whole buffers (4 MiB default per channel and peer)
+UNUSED_CACHE_FRACTION = 0.25
+UNUSED_CACHE_MIN_BYTES = 2**30
 
 
 def _steady(data: _Data, rank: int) -> list[dict[str, Any]]:

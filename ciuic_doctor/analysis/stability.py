@@ -28,40 +28,17 @@ finding per check naming the series (the worst first), and one per spike or stor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ciuic_doctor.analysis._stability_curve import Curve, fold
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import RunDir
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ciuic_doctor.importers import StepLog
 
 STREAMS = ("steps",)
 PROBE = "stability"
-
-
-@dataclass(kw_only=True)
-class Curve:
-    """One value per step (ranks folded), in step order, as numpy arrays."""
-
-    step: np.ndarray
-    interval: np.ndarray
-    loss: np.ndarray
-    nonfinite: np.ndarray
-    lr: np.ndarray
-    grad_norm: np.ndarray
-    scale: np.ndarray
-    attempted: np.ndarray  # the scale each row's first overflow attempted (NaN: not printed)
-    skipped: np.ndarray
-    ranks: int
-    series: int = 0  # the table's series this curve is (events of another series are not its own)
-
-    @property
-    def steps_covered(self) -> int:
-        return int(self.interval.sum())
 
 
 def analyze(run: RunDir) -> list[Finding]:
@@ -74,38 +51,6 @@ def analyze(run: RunDir) -> list[Finding]:
     except UserError as exc:
         return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary=str(exc))]
     return analyze_log(log)
-
-
-def fold(table) -> Curve:
-    """Per-step curve from the normalized table (later rows win for a repeated (rank, step))."""
-    import numpy as np
-
-    series = int(table["series"].iloc[0]) if len(table) else 0
-    frame = table.drop_duplicates(subset=["rank", "step"], keep="last")
-    ranks = int(frame["rank"].nunique())
-    if ranks > 1 or not frame["step"].is_unique:
-        grouped = frame.groupby("step", sort=True)
-        frame = grouped.agg(
-            loss=("loss", "mean"), nonfinite=("nonfinite", "max"), lr=("lr", "max"),
-            grad_norm=("grad_norm", "max"), loss_scale=("loss_scale", "min"), skipped=("skipped", "max"),
-            attempted_scale=("attempted_scale", "max"),
-            interval_steps=("interval_steps", "max"),
-        ).reset_index()  # fmt: skip
-    elif not frame["step"].is_monotonic_increasing:
-        frame = frame.sort_values("step", kind="stable")
-    return Curve(
-        step=frame["step"].to_numpy(dtype=np.int64),
-        interval=frame["interval_steps"].to_numpy(dtype=np.int64),
-        loss=frame["loss"].to_numpy(dtype=np.float64),
-        nonfinite=frame["nonfinite"].to_numpy(dtype=np.int64),
-        lr=frame["lr"].to_numpy(dtype=np.float64),
-        grad_norm=frame["grad_norm"].to_numpy(dtype=np.float64),
-        scale=frame["loss_scale"].to_numpy(dtype=np.float64),
-        attempted=frame["attempted_scale"].to_numpy(dtype=np.float64),
-        skipped=frame["skipped"].to_numpy(dtype=np.int64),
-        ranks=max(ranks, 1),
-        series=series,
-    )
 
 
 def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Finding]:
@@ -130,13 +75,14 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
 
 def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Finding]:
     from ciuic_doctor.analysis import _stability_checks as checks
+    from ciuic_doctor.analysis._stability_scaler import scaler
 
     findings: list[Finding] = []
     diverged, divergence_findings = checks.divergence(curve)
     _, grad_spikes, spike_findings = checks.spikes(curve, diverged)
     findings += spike_findings + divergence_findings
     findings += checks.nonfinite(curve)
-    findings += checks.scaler(curve, log)
+    findings += scaler(curve, log)
     clip = clip_max_norm if clip_max_norm is not None else log.clip_max_norm
     findings += checks.clipping(curve, clip, grad_spikes)
     return findings

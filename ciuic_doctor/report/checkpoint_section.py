@@ -14,7 +14,7 @@ from typing import Any
 
 from ciuic_doctor.analysis.checkpoint import cost_figures
 from ciuic_doctor.findings import Finding
-from ciuic_doctor.report.sections import Section, Table, bytes_cell, generic_content
+from ciuic_doctor.report.blocks import Section, Table, bytes_cell, generic_content
 from ciuic_doctor.store import as_float
 
 _MISSING = ("—", "")

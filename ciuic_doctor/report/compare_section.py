@@ -14,11 +14,11 @@ from typing import Any
 from ciuic_doctor.compare import Comparison
 from ciuic_doctor.compare.change import UNJUDGED, interval, percent
 from ciuic_doctor.compare.steps import job_series
-from ciuic_doctor.report import plots
-from ciuic_doctor.report.sections import Section, Table, bytes_cell
+from ciuic_doctor.report.blocks import Section, Table, bytes_cell
+from ciuic_doctor.report.plots import INK, PALETTE, _pyplot, _text, _thin, busbw_plot, to_svg
 from ciuic_doctor.store import RunDir, as_float
 
-COLOURS = {"A": plots.PALETTE[6], "B": plots.PALETTE[0]}  # baseline grey, candidate blue
+COLOURS = {"A": PALETTE[6], "B": PALETTE[0]}  # baseline grey, candidate blue
 STYLES = {"A": "--", "B": "-"}
 COMPARISON_FILE = "comparison.json"  # the same file `ciuic-doctor compare --out RUN` writes
 
@@ -135,14 +135,14 @@ def _forest_plot(comparison: Comparison) -> str | None:
     ]
     if not rows:
         return None
-    plt = plots._pyplot()
+    plt = _pyplot()
     # A page, not a wall: every comm-bench size would crowd out the rest, so only the sizes that changed
     # significantly are drawn (the table below has them all).
     rows = [c for c in rows if c.check != "busbw" or c.significant][:40]
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(9.5, 0.28 * len(rows) + 1.0), layout="constrained")
-    colour = {"better": plots.PALETTE[2], "worse": plots.PALETTE[5]}
+    colour = {"better": PALETTE[2], "worse": PALETTE[5]}
     for i, c in enumerate(reversed(rows)):
         mid, low, high = ((v - 1) * 100 for v in (c.ratio, c.ci_low, c.ci_high))
         ax.errorbar(
@@ -152,17 +152,15 @@ def _forest_plot(comparison: Comparison) -> str | None:
             fmt="o",
             markersize=4,
             capsize=2,
-            color=colour.get(c.direction, plots.PALETTE[6]),
+            color=colour.get(c.direction, PALETTE[6]),
         )
-    ax.axvline(0, color=plots.INK, linewidth=0.8)
+    ax.axvline(0, color=INK, linewidth=0.8)
     # An interval from two checkpoint saves can span +1000 %: clip the axis, not the point estimates.
     mids = [(c.ratio - 1) * 100 for c in rows]
     ax.set_xlim(max(-100.0, min(mids) - 50), max(50.0, min(max(mids) + 50, 400.0)))
-    ax.set_yticks(
-        range(len(rows)), [plots._text(f"{c.metric} · {c.scope}") for c in reversed(rows)], fontsize=8
-    )
+    ax.set_yticks(range(len(rows)), [_text(f"{c.metric} · {c.scope}") for c in reversed(rows)], fontsize=8)
     ax.set_xlabel("change B vs A (%), 95 % CI — green better, red worse, grey inside the noise")
-    return plots.to_svg(fig, "every change with its 95 % confidence interval")
+    return to_svg(fig, "every change with its 95 % confidence interval")
 
 
 def _series_plot(
@@ -185,7 +183,7 @@ def _series_plot(
             series[run] = sorted(by_step.items())
     if len(series) < 2:
         return None
-    plt = plots._pyplot()
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9.5, 3.0), layout="constrained")
     for run, points in series.items():
         xs = [s for s, _ in points]
@@ -193,7 +191,7 @@ def _series_plot(
             scale * sorted(v)[len(v) // 2] if key == "step_time_s" else scale * sum(v) / len(v)
             for _, v in points
         ]
-        xs, ys = plots._thin(xs, ys)
+        xs, ys = _thin(xs, ys)
         ax.plot(xs, ys, linestyle=STYLES[run], color=COLOURS[run], linewidth=1.3, label=f"{run}")
     if key == "step_time_s":
         steady = [*job_series(steps_a), *job_series(steps_b)]
@@ -202,7 +200,7 @@ def _series_plot(
     ax.set_xlabel("step")
     ax.set_ylabel(label)
     ax.legend(["A (baseline)", "B (this run)"], fontsize=8)
-    return plots.to_svg(fig, name)
+    return to_svg(fig, name)
 
 
 def _busbw_plot(records_a: list[dict[str, Any]], records_b: list[dict[str, Any]]) -> str | None:
@@ -215,4 +213,4 @@ def _busbw_plot(records_a: list[dict[str, Any]], records_b: list[dict[str, Any]]
         for r in records
         if not r.get("inplace") and str(r.get("collective")) in both
     ]
-    return plots.busbw_plot(merged) if merged else None
+    return busbw_plot(merged) if merged else None

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ciuic_doctor.findings import Finding, sort_findings
-from ciuic_doctor.report.sections import Section, Table
+from ciuic_doctor.report.blocks import Section, Table
 
 _MISSING = ("—", "")
 

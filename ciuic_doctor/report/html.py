@@ -21,7 +21,7 @@ from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec
 from ciuic_doctor.observed import ResolvedSpec, describe_observed
 from ciuic_doctor.recommend import Plan, environment_of, is_change, setting_kind
-from ciuic_doctor.report.sections import Section
+from ciuic_doctor.report.blocks import Section
 from ciuic_doctor.seed_tips import Tip
 
 VERDICT_LABEL = {"pass": "pass", "warn": "warn", "fail": "fail", "not_run": "not run"}

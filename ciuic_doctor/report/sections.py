@@ -8,40 +8,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic_doctor.findings import Finding, sort_findings
-from ciuic_doctor.report import plots, rank_view
+from ciuic_doctor.report.blocks import Section, Table, _cell, _size_cell, bytes_cell, generic_content
+from ciuic_doctor.report.checkpoint_section import checkpoint_content
+from ciuic_doctor.report.hang_section import hang_sections
+from ciuic_doctor.report.plots import busbw_plot, loader_configs, loader_plot, memwatch_plot, stability_plot
+from ciuic_doctor.report.rank_view import load_steps
+from ciuic_doctor.report.steps_section import job_content, step_memory_svg
 from ciuic_doctor.store import RunDir, as_float
-from ciuic_doctor.units import format_bytes, format_size_short
-
-
-@dataclass(kw_only=True)
-class Table:
-    title: str
-    headers: list[str]
-    rows: list[list[tuple[str, Any]]]  # (shown text, sort key) per cell
-    numeric: list[int] = field(default_factory=list)  # right-aligned columns
-    csv: str = ""  # a file beside report.html with every row (when the table shows only some)
-
-
-@dataclass(kw_only=True)
-class Section:
-    id: str
-    title: str
-    command: str
-    probes: tuple[str, ...]
-    streams: tuple[str, ...]
-    intro: str = ""
-    ran: bool = False
-    reason: str = ""
-    findings: list[Finding] = field(default_factory=list)
-    plots: list[str] = field(default_factory=list)
-    tables: list[Table] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    files: dict[str, str] = field(default_factory=dict)  # name -> text, written beside report.html
-
 
 BUSBW_NOTE = (
     "busbw (bus bandwidth) is nccl-tests' figure: algbw (bytes / time) times a factor per collective "
@@ -105,26 +81,6 @@ def _sections() -> list[Section]:
     ]
 
 
-def _cell(value: Any, fmt: str | None = None) -> tuple[str, Any]:
-    if value is None:
-        return ("—", "")
-    if isinstance(value, bool):
-        return (str(value).lower(), int(value))
-    number = as_float(value) if isinstance(value, int | float | str) else None
-    if number is not None and fmt and not isinstance(value, str):
-        return (format(number, fmt), number)
-    return (str(value), number if number is not None else str(value))
-
-
-def _size_cell(n: Any) -> tuple[str, Any]:
-    return (format_size_short(n), n) if isinstance(n, int) else _cell(n)
-
-
-def bytes_cell(n: Any) -> tuple[str, Any]:
-    value = as_float(n)
-    return (format_bytes(value), value) if value is not None else ("—", "")
-
-
 def phase_problem(meta: dict[str, Any], command: str) -> str | None:
     """How the checkup phase of `command` ended when it did not end well (None when fine or absent)."""
     for phase in (meta.get("checkup") or {}).get("phases") or []:
@@ -152,7 +108,7 @@ def not_run_reason(meta: dict[str, Any], section: Section) -> str:
 
 
 def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
-    svg = plots.busbw_plot(records)
+    svg = busbw_plot(records)
     if svg:
         section.plots.append(svg)
     rows = []
@@ -202,13 +158,11 @@ def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
 def memory_content(
     section: Section, steps: list[dict[str, Any]], samples: list[dict[str, Any]], findings: Sequence[Finding]
 ) -> None:
-    from ciuic_doctor.report.steps_section import step_memory_svg
-
     leaks = [f for f in findings if f.check == "memory_leak" and f.verdict in ("warn", "fail")]
     svg = step_memory_svg(steps, leaks)
     if svg:
         section.plots.append(svg)
-    svg = plots.memwatch_plot(samples)
+    svg = memwatch_plot(samples)
     if svg:
         section.plots.append(svg)
     by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -251,11 +205,11 @@ def loader_content(section: Section, records: list[dict[str, Any]], findings: Se
     recommended = (best.evidence.get("recommended") if best else None) or {}
     pooled = (best.evidence.get("configs") if best else None) or []
     # The analysis pools every window of a configuration; prefer its figures to the raw records.
-    configs = plots.loader_configs(pooled or records)
-    svg = plots.loader_plot(list(configs.values()), recommended)
+    configs = loader_configs(pooled or records)
+    svg = loader_plot(list(configs.values()), recommended)
     if svg:
         section.plots.append(svg)
-    raw = plots.loader_configs(records)
+    raw = loader_configs(records)
     rows = []
     for key, r in sorted(configs.items(), key=lambda kv: tuple(str(k) for k in kv[0])):
         workers, prefetch, pin, persistent = key
@@ -292,26 +246,6 @@ def loader_content(section: Section, records: list[dict[str, Any]], findings: Se
         )
 
 
-def generic_content(section: Section, records: list[dict[str, Any]]) -> None:
-    """A plain table of a stream's records (checkpoint records of no known kind), less bookkeeping."""
-    skip = {"schema", "t"}
-    keys: list[str] = []
-    for r in records:
-        keys.extend(k for k in r if k not in skip and k not in keys and not isinstance(r[k], dict | list))
-    keys = keys[:10]
-    if records and keys:
-        section.tables.append(
-            Table(
-                title="Records",
-                headers=keys,
-                rows=[
-                    [_cell(r.get(k), ".4g" if isinstance(r.get(k), float) else None) for k in keys]
-                    for r in records[:200]
-                ],
-            )
-        )
-
-
 STREAMS = ("comm", "steps", "memwatch", "loader", "checkpoint")
 
 
@@ -319,9 +253,7 @@ def load_streams(run: RunDir) -> dict[str, list[dict[str, Any]]]:
     """The records of every stream the report draws (torn lines skipped by the store). `steps` is a
     rank_view.StepRecords: the lowest rank's records as a list, every rank's report columns as `.frame`
     (read column-wise: 2 M step records of a 1,024-rank run are never made into dicts)."""
-    return {
-        name: rank_view.load_steps(run) if name == "steps" else run.read(name).records for name in STREAMS
-    }
+    return {name: load_steps(run) if name == "steps" else run.read(name).records for name in STREAMS}
 
 
 def build_sections(
@@ -348,9 +280,6 @@ def build_sections(
         if section.id == "comm":
             comm_content(section, streams["comm"])
         elif section.id == "job":
-            # Imported here: steps_section builds on this module's Section and Table.
-            from ciuic_doctor.report.steps_section import job_content
-
             job_content(section, streams["steps"], section.findings)
         elif section.id == "stability":
             events = [
@@ -360,7 +289,7 @@ def build_sections(
                 and f.where.get("step") is not None
                 and f.verdict in ("warn", "fail")
             ]
-            svg = plots.stability_plot(streams["steps"], events)
+            svg = stability_plot(streams["steps"], events)
             if svg:
                 section.plots.append(svg)
         elif section.id == "memory":
@@ -368,12 +297,7 @@ def build_sections(
         elif section.id == "loader":
             loader_content(section, streams["loader"], findings)
         elif section.id == "checkpoint":
-            # Imported here: checkpoint_section builds on this module's Section and Table.
-            from ciuic_doctor.report.checkpoint_section import checkpoint_content
-
             checkpoint_content(section, streams["checkpoint"], section.findings)
         else:
             generic_content(section, streams.get(section.streams[0], []))
-    from ciuic_doctor.report.hang_section import hang_sections  # issue 16: only when the job hung
-
     return sections + hang_sections(findings)  # issue 16

@@ -2,8 +2,8 @@
 as cross-rank bands with the ranks the findings name drawn on top, a host × rank heat-map on multi-host
 runs, and the per-rank table collapsed to the ranks that matter (every rank in steps_per_rank.csv).
 
-Split from `sections.py` (which owns Section, Table and the section list); the frames and bands come
-from `rank_view`, the drawing from `band_plots`.
+Split from `sections.py` (which owns the section list; Section and Table are in `blocks`); the frames and
+bands come from `rank_view`, the drawing from `band_plots`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from ciuic_doctor.findings import Finding
-from ciuic_doctor.report import rank_view
-from ciuic_doctor.report.sections import Section, Table, _cell, bytes_cell
+from ciuic_doctor.report.blocks import Section, Table, _cell, bytes_cell
+from ciuic_doctor.report.rank_view import (
+    COLUMNS,
+    MAX_OUTLIERS,
+    MEMORY_COLUMNS,
+    PER_RANK_LINES,
+    TABLE_ROWS,
+    bands,
+    chosen_rows,
+    csv_text,
+    distribution_cells,
+    named_ranks,
+    outlier_lines,
+    per_rank,
+)
 from ciuic_doctor.store import as_float
 from ciuic_doctor.units import format_bytes
 
@@ -29,7 +42,7 @@ def _step_frame(steps: Sequence[dict[str, Any]]):  # -> pandas.DataFrame
     if frame is not None:
         return frame
     frame = pd.DataFrame.from_records(list(steps))
-    for column in rank_view.COLUMNS + rank_view.MEMORY_COLUMNS:
+    for column in COLUMNS + MEMORY_COLUMNS:
         if column not in frame:
             frame[column] = None
         elif column not in ("host", "skipped"):
@@ -43,55 +56,53 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     import numpy as np
 
     from ciuic_doctor.analysis._crossrank import normalised, quiet_nan, rank_step_grid
-    from ciuic_doctor.report import band_plots
+    from ciuic_doctor.report.band_plots import band_plot, host_heatmap
 
     frame = _step_frame(steps)
     if frame.empty or frame["step"].isna().all():
         return
-    named = rank_view.named_ranks(findings, STEP_CHECKS, per_host=True)
+    named = named_ranks(findings, STEP_CHECKS, per_host=True)
     ranks, step_ids, step_grid = rank_step_grid(frame, "step_time_s")
     _, _, pace_grid = rank_step_grid(frame, "pre_backward_s")
     with quiet_nan():
         level = np.nanmedian(normalised(pace_grid if np.isfinite(pace_grid).any() else step_grid), axis=1)
     slowest = [int(ranks[i]) for i in np.argsort(-np.nan_to_num(level, nan=-1.0))[:2]]
-    chosen = ranks.tolist() if len(ranks) <= rank_view.PER_RANK_LINES else (named or slowest[:1])
+    chosen = ranks.tolist() if len(ranks) <= PER_RANK_LINES else (named or slowest[:1])
     chosen = list(dict.fromkeys(chosen))
-    limit = max(rank_view.PER_RANK_LINES, rank_view.MAX_OUTLIERS)  # a small run: every rank
+    limit = max(PER_RANK_LINES, MAX_OUTLIERS)  # a small run: every rank
     has_pace = bool(np.isfinite(pace_grid).any())
-    table = rank_view.per_rank(frame)
+    table = per_rank(frame)
     hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
     labels = {r: f"rank {r} ({hosts[r]})" for r in chosen if isinstance(hosts.get(r), str)}
     # Under DDP every rank's step ends together: the outliers show in the pace, not in the step time.
     panels = [
         {
-            "frame": rank_view.bands(step_ids, step_grid, unit="ms", scale=1e3),
+            "frame": bands(step_ids, step_grid, unit="ms", scale=1e3),
             "unit": "ms",
             "ylabel": "step time (ms)",
             "lines": []
             if has_pace
-            else rank_view.outlier_lines(
-                ranks, step_ids, step_grid, chosen, scale=1e3, labels=labels, limit=limit
-            ),
+            else outlier_lines(ranks, step_ids, step_grid, chosen, scale=1e3, labels=labels, limit=limit),
         }
     ]
     if has_pace:
         panels.append(
             {
-                "frame": rank_view.bands(step_ids, pace_grid, unit="ms", scale=1e3),
+                "frame": bands(step_ids, pace_grid, unit="ms", scale=1e3),
                 "unit": "ms",
                 "ylabel": "before backward (ms)",
-                "lines": rank_view.outlier_lines(
+                "lines": outlier_lines(
                     ranks, step_ids, pace_grid, chosen, scale=1e3, labels=labels, limit=limit
                 ),
             }
         )
-    svg = band_plots.band_plot(panels, name="step time per step across ranks", ranks=len(ranks))
+    svg = band_plot(panels, name="step time per step across ranks", ranks=len(ranks))
     if svg:
         section.plots.append(svg)
-    if len(ranks) >= rank_view.TABLE_ROWS and table["host"].nunique() >= 2:
+    if len(ranks) >= TABLE_ROWS and table["host"].nunique() >= 2:
         hosts = table.set_index("rank").reindex(ranks)["host"].tolist()
         peak = table.set_index("rank").reindex(ranks)["peak_rss_bytes"].to_numpy(dtype=float) / 2**30
-        svg = band_plots.host_heatmap(
+        svg = host_heatmap(
             hosts,
             ranks.tolist(),
             {"pace vs the typical rank (1 = typical)": level, "peak RSS (GiB)": peak},
@@ -105,7 +116,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
 def _per_rank_table(section: Section, table, named: Sequence[int]) -> None:
     headers = ["rank", "host", "steps", "median step ms", "max step ms", "last loss", "skipped", "peak RSS"]
     columns = ["steps", "median_step_ms", "max_step_ms", "last_loss", "skipped_steps", "peak_rss_bytes"]
-    shown = rank_view.chosen_rows(table, named, sort_by="median_step_ms")
+    shown = chosen_rows(table, named, sort_by="median_step_ms")
     rows = [
         [
             _cell(int(r["rank"])),
@@ -131,7 +142,7 @@ def _per_rank_table(section: Section, table, named: Sequence[int]) -> None:
             "skipped_steps": lambda v: f"{v:.0f}",
             "peak_rss_bytes": format_bytes,
         }
-        cells = rank_view.distribution_cells(table, columns, fmt)
+        cells = distribution_cells(table, columns, fmt)
         hosts = table["host"].nunique()
         rows.append([(f"all {len(table)}", ""), (f"{hosts} hosts", ""), *((c, "") for c in cells)])
         csv = "steps_per_rank.csv"
@@ -139,7 +150,7 @@ def _per_rank_table(section: Section, table, named: Sequence[int]) -> None:
             f"Per rank: the {len(shown)} ranks the findings name or that are slowest, of {len(table)}; the "
             "last line is min / p50 / p99 / max over every rank (all ranks in the CSV)"
         )
-    section.files["steps_per_rank.csv"] = rank_view.csv_text(table)
+    section.files["steps_per_rank.csv"] = csv_text(table)
     section.tables.append(
         Table(title=title, headers=headers, rows=rows, numeric=[0, 2, 3, 4, 5, 6, 7], csv=csv)
     )
@@ -158,7 +169,7 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
     import numpy as np
 
     from ciuic_doctor.analysis._crossrank import rank_step_grid
-    from ciuic_doctor.report import band_plots
+    from ciuic_doctor.report.band_plots import band_plot
 
     frame = _step_frame(steps)
     if frame.empty:
@@ -175,10 +186,10 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
     kind = "device" if key == "mem_allocated" else "host"
     leaks = [f for f in leaks if f.evidence.get("kind", kind) == kind]
     ranks, step_ids, grid = rank_step_grid(frame, key)
-    named = rank_view.named_ranks(leaks, ("memory_leak",))
-    chosen = ranks.tolist() if len(ranks) <= rank_view.PER_RANK_LINES else named
-    limit = max(rank_view.PER_RANK_LINES, rank_view.MAX_OUTLIERS)
-    lines = rank_view.outlier_lines(ranks, step_ids, grid, chosen, scale=1 / 2**20, limit=limit)
+    named = named_ranks(leaks, ("memory_leak",))
+    chosen = ranks.tolist() if len(ranks) <= PER_RANK_LINES else named
+    limit = max(PER_RANK_LINES, MAX_OUTLIERS)
+    lines = outlier_lines(ranks, step_ids, grid, chosen, scale=1 / 2**20, limit=limit)
     slopes: dict[int, float] = {}
     for leak in leaks:
         if (slope := as_float(leak.evidence.get("slope_bytes_per_step"))) is not None:
@@ -202,12 +213,10 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
             )
         )
     panel = {
-        "frame": rank_view.bands(step_ids, grid, unit="mib", scale=1 / 2**20),
+        "frame": bands(step_ids, grid, unit="mib", scale=1 / 2**20),
         "unit": "mib",
         "ylabel": f"{MEMORY_LABEL[key]} (MiB)",
         "lines": lines,
         "fits": fits,
     }
-    return band_plots.band_plot(
-        [panel], name=f"memory ({MEMORY_LABEL[key]}) over steps across ranks", ranks=len(ranks)
-    )
+    return band_plot([panel], name=f"memory ({MEMORY_LABEL[key]}) over steps across ranks", ranks=len(ranks))

@@ -1,0 +1,67 @@
+"""The folded per-step curve every stability check reads: one value per step, ranks folded.
+
+Split from `stability.py` (the analysis entry point) so that the checks (`_stability_checks`) import the
+Curve from below instead of from the module that runs them. Folding: mean loss, max grad norm, min scale,
+any skip per step, so a loss spike on one rank's batch still shows and a skip is counted once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+@dataclass(kw_only=True)
+class Curve:
+    """One value per step (ranks folded), in step order, as numpy arrays."""
+
+    step: np.ndarray
+    interval: np.ndarray
+    loss: np.ndarray
+    nonfinite: np.ndarray
+    lr: np.ndarray
+    grad_norm: np.ndarray
+    scale: np.ndarray
+    attempted: np.ndarray  # the scale each row's first overflow attempted (NaN: not printed)
+    skipped: np.ndarray
+    ranks: int
+    series: int = 0  # the table's series this curve is (events of another series are not its own)
+
+    @property
+    def steps_covered(self) -> int:
+        return int(self.interval.sum())
+
+
+def fold(table) -> Curve:
+    """Per-step curve from the normalized table (later rows win for a repeated (rank, step))."""
+    import numpy as np
+
+    series = int(table["series"].iloc[0]) if len(table) else 0
+    frame = table.drop_duplicates(subset=["rank", "step"], keep="last")
+    ranks = int(frame["rank"].nunique())
+    if ranks > 1 or not frame["step"].is_unique:
+        grouped = frame.groupby("step", sort=True)
+        frame = grouped.agg(
+            loss=("loss", "mean"), nonfinite=("nonfinite", "max"), lr=("lr", "max"),
+            grad_norm=("grad_norm", "max"), loss_scale=("loss_scale", "min"), skipped=("skipped", "max"),
+            attempted_scale=("attempted_scale", "max"),
+            interval_steps=("interval_steps", "max"),
+        ).reset_index()  # fmt: skip
+    elif not frame["step"].is_monotonic_increasing:
+        frame = frame.sort_values("step", kind="stable")
+    return Curve(
+        step=frame["step"].to_numpy(dtype=np.int64),
+        interval=frame["interval_steps"].to_numpy(dtype=np.int64),
+        loss=frame["loss"].to_numpy(dtype=np.float64),
+        nonfinite=frame["nonfinite"].to_numpy(dtype=np.int64),
+        lr=frame["lr"].to_numpy(dtype=np.float64),
+        grad_norm=frame["grad_norm"].to_numpy(dtype=np.float64),
+        scale=frame["loss_scale"].to_numpy(dtype=np.float64),
+        attempted=frame["attempted_scale"].to_numpy(dtype=np.float64),
+        skipped=frame["skipped"].to_numpy(dtype=np.int64),
+        ranks=max(ranks, 1),
+        series=series,
+    )

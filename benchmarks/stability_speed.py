@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 GOALS = {"megatron": 5.0, "jsonl": 2.0}
 RSS_GOAL_MB = 1024
 
-# The record the watch probe writes (probes/watch/session.py RECORD_KEYS, behind JsonlWriter's schema/t/host).
+# The record the watch probe writes (probes/watch/records.py RECORD_KEYS, behind JsonlWriter's schema/t/host).
 JSONL_LINE = (
     '{{"schema":1,"t":{t:.6f},"host":"gpu-node-017","rank":{rank},"step":{step},"step_time_s":{st:.6f},'
     '"pre_backward_s":0.0312,"loss":{loss},"lr":{lr:.8g},"grad_norm":{gn:.6f},"grad_norm_source":"clip",'

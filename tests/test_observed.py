@@ -23,7 +23,7 @@ SCRIPTS = Path(__file__).parent / "data" / "user_scripts"
 WATCH_TIMEOUT_S = 360  # a few seconds alone; generous for a 2-core machine shared by several suites
 
 
-@pytest.mark.parametrize("name", ["ciuic_doctor.observed", "ciuic_doctor.probes.watch.observe"])
+@pytest.mark.parametrize("name", ["ciuic_doctor.observed", "ciuic_doctor.probes.watch.observe_sections"])
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0

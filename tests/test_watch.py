@@ -80,7 +80,7 @@ def steps_of(path) -> list[dict]:
 @pytest.mark.parametrize(
     "name",
     [
-        "ciuic_doctor.analysis.steps",
+        "ciuic_doctor.measures.ranks",
         "ciuic_doctor.probes.watch.snapshot",
         "ciuic_doctor.probes.watch.steps",
         "ciuic_doctor.probes.watch.target",
@@ -168,7 +168,7 @@ def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, c
     import torch
 
     from ciuic_doctor import watch
-    from ciuic_doctor.probes.watch import session as probe_watch
+    from ciuic_doctor.probes.watch import records as probe_records
 
     calls = []
 
@@ -178,7 +178,7 @@ def test_an_internal_error_stops_recording_not_training(tmp_path, monkeypatch, c
             raise OSError("disk gone")
         return 1
 
-    monkeypatch.setattr(probe_watch, "read_rss", failing_rss)
+    monkeypatch.setattr(probe_records, "read_rss", failing_rss)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with watch.attach(out=tmp_path / "run"):

@@ -270,7 +270,7 @@ def _fast(chunk: bytes, layout: list[str]):  # -> (DataFrame, ok mask) | None
 def _checked(keys: list[str], position: dict[str, int]) -> list[str]:
     """The key columns compared on every row: the first and the last wanted one. A key added or dropped
     before a wanted value shifts the last; reading all nine keys as text would cost a third of the parse,
-    and our writer emits the same key order on every line (probes/watch/session.py RECORD_KEYS)."""
+    and our writer emits the same key order on every line (probes/watch/records.py RECORD_KEYS)."""
     ordered = sorted(keys, key=position.__getitem__)
     return sorted({ordered[0], ordered[-1]}, key=position.__getitem__)
 

@@ -27,6 +27,7 @@ checkup: setup
 
 test: setup
 	bash scripts/ensure-browser.sh
+	bash scripts/ensure-test-tools.sh
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m pytest -q

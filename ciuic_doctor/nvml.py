@@ -117,6 +117,37 @@ class Nvml:
                 entry.used_bytes = (entry.used_bytes or 0) + used
         return result
 
+    def device_figures(self) -> list[dict[str, Any]]:
+        """Per device: UUID, utilisation (0-1: the share of the last sample period a kernel ran), memory
+        used and total, board power (W) and SM clock (Hz), for `top` and `export`. A figure the board
+        does not report (NOT_SUPPORTED on some boards and under MIG) is None; no devices without NVML."""
+        out: list[dict[str, Any]] = []
+        lib = self._lib
+        for index, handle in enumerate(self._handles):
+
+            def ask(call: str, *extra: Any, handle: Any = handle) -> Any:
+                try:
+                    return getattr(lib, call)(handle, *extra)
+                except lib.NVMLError:
+                    return None
+
+            util, mem = ask("nvmlDeviceGetUtilizationRates"), ask("nvmlDeviceGetMemoryInfo")
+            power_mw = ask("nvmlDeviceGetPowerUsage")
+            clock_mhz = ask("nvmlDeviceGetClockInfo", lib.NVML_CLOCK_SM)
+            uuid = ask("nvmlDeviceGetUUID")
+            out.append(
+                {
+                    "index": index,
+                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    "utilization_ratio": None if util is None else util.gpu / 100,
+                    "memory_used_bytes": None if mem is None else int(mem.used),
+                    "memory_total_bytes": None if mem is None else int(mem.total),
+                    "power_watts": None if power_mw is None else power_mw / 1000,
+                    "sm_clock_hertz": None if clock_mhz is None else clock_mhz * 1e6,
+                }
+            )
+        return out
+
     def close(self) -> None:
         if self._lib is not None:
             with contextlib.suppress(self._lib.NVMLError):

@@ -23,6 +23,8 @@ FORBIDDEN = {
     "compare": {"cli", "commands", "checkup", "report", "probes"},
     "recommend": {"cli", "commands", "checkup", "report", "probes"},
     "report": {"cli", "commands", "checkup", "probes"},
+    # the live view (top, export) reads /proc and run directories and judges with analysis' rules
+    "live": {"cli", "commands", "checkup", "report", "probes", "jobs"},
     "measures": {
         "cli",
         "commands",

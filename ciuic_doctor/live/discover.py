@@ -1,0 +1,462 @@
+"""Find every rank of a running job from outside: from a torchrun agent PID, a rank PID, or a run directory
+that is being written.
+
+What tells a process's rank, strongest first (shared/reference/live-mfu-moe.md, "Where a rank is"):
+- `RANK` in `/proc/<pid>/environ` (torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, GROUP_RANK and
+  TORCHELASTIC_RUN_ID in every worker; readable by the job's user and root);
+- the rank a watched process writes under (`steps.rank<R>.jsonl` and `hang.rank<R>.fatal.txt`, which
+  `watch` and the embedded job keep open in the run directory: also how the run directory is found);
+- `--local-rank N` / `--local_rank=N` in its command line (torch.distributed.launch);
+- a child of the launching script started by `torch.multiprocessing.spawn` (`--multiprocessing-fork` in
+  its command line): ranks in start order, as mp.spawn starts them.
+A child of a rank is that rank's worker (DataLoader workers name themselves `pt_data_worker`), except
+multiprocessing's resource tracker / forkserver (helpers). Several agents of one job on one host are
+joined through TORCHELASTIC_RUN_ID (not when it is torchrun's default "none").
+
+GPUs: NVML's processes per device by PID (ciuic_doctor.nvml), else the device CUDA_VISIBLE_DEVICES and
+LOCAL_RANK point at. Reads /proc only; never signals, never attaches a debugger; imports no torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ciuic_doctor.errors import UserError
+
+LAUNCHER = re.compile(
+    r"(^|[/\s])torchrun(\s|$)|torch\.distributed\.(run|launch)|deepspeed\.launcher|accelerate\s+launch"
+)
+LOCAL_RANK_ARG = re.compile(r"--local[-_]rank[=\s](\d+)")
+HELPER = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
+SPAWNED = re.compile(r"--multiprocessing-fork|spawn_main\(")
+# files a watched rank keeps open in its run directory: its steps stream, its watchdog's fatal-stack file
+WATCHED_FILE = re.compile(r"(?:steps\.rank(\d+)\.jsonl|hang\.rank(\d+)\.fatal\.txt)$")
+WORKER_COMM = "pt_data_worker"  # torch's DataLoader worker loop renames its process (torch/utils/data)
+SPAWN_SETTLE_S = 1.0  # a spawned child younger than this may still become a DataLoader worker by name
+ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(kw_only=True)
+class RankProc:
+    """One rank as seen from outside."""
+
+    rank: int
+    pid: int
+    rank_source: str  # env | watch | cmdline | spawn | root
+    local_rank: int | None = None
+    world_size: int | None = None
+    group_rank: int | None = None
+    run_id: str | None = None
+    cuda_visible_devices: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+    agent_pid: int | None = None
+    workers: list[int] = field(default_factory=list)
+    helpers: list[int] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)
+    run_dir: Path | None = None
+    cmdline: str = ""
+
+
+@dataclass(kw_only=True)
+class JobLayout:
+    """Every rank found, plus what the header says about the job."""
+
+    ranks: dict[int, RankProc]
+    agents: list[int]
+    script: str
+    world_size: int | None
+    run_id: str | None
+    run_dir: Path | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> list[str]:
+        return sorted({r.host for r in self.ranks.values()})
+
+
+def read_environ(pid: int) -> dict[str, str] | None:
+    """The keys of ENV_KEYS in the environment `pid` started with; None where it may not be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read(1 << 20)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except PermissionError:
+        return None
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        name = key.decode(errors="replace")
+        if name in ENV_KEYS:
+            out[name] = value.decode(errors="replace")
+    return out
+
+
+def _int(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def cmdline_of(proc: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(proc.cmdline())
+    return ""
+
+
+def watched_file_rank(pid: int) -> tuple[int | None, Path | None]:
+    """(rank, run dir) of a process watch is recording, from the files it keeps open there."""
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                match = WATCHED_FILE.search(target)
+                if match:
+                    return int(match.group(1) or match.group(2)), Path(target).parent
+    return None, None
+
+
+def attach(pid: int) -> psutil.Process:
+    """The process at `pid`, or a UserError that says in one line why it cannot be looked at."""
+    if pid == os.getpid():
+        raise UserError(f"PID {pid} is this process")
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise UserError(f"PID {pid} has already exited (a zombie); nothing to watch")
+        proc.create_time()
+    except psutil.NoSuchProcess:
+        raise UserError(f"no process with PID {pid}") from None
+    except psutil.AccessDenied:
+        raise UserError(f"PID {pid} may not be read (access denied): run as its user or as root") from None
+    return proc
+
+
+def job_root(proc: psutil.Process) -> psutil.Process:
+    """The process that launched the job `proc` belongs to: its nearest launcher ancestor (torchrun,
+    deepspeed), else the first ancestor outside the ranks (no RANK in its environment: `ciuic-doctor job
+    --nproc`, any elastic agent), else the script that mp.spawn'ed it; else the process itself."""
+    with contextlib.suppress(psutil.Error):
+        for parent in proc.parents():
+            if LAUNCHER.search(cmdline_of(parent)):
+                return parent
+    current = proc
+    with contextlib.suppress(psutil.Error):
+        while True:
+            parent = current.parent()
+            if parent is None or parent.pid <= 1:
+                return current
+            env, parent_env = read_environ(current.pid) or {}, read_environ(parent.pid)
+            if "RANK" in env:
+                if parent_env is not None and "RANK" in parent_env:
+                    current = parent  # a DataLoader worker inherits its rank's RANK: climb to the rank
+                    continue
+                # the launcher of the ranks is a Python process (an elastic agent); a shell that ran a
+                # single process with RANK set by hand is not part of the job
+                return parent if "python" in cmdline_of(parent) or "ciuic" in cmdline_of(parent) else current
+            if SPAWNED.search(cmdline_of(current)) or current.name() == WORKER_COMM:
+                current = parent
+                continue
+            return current
+    return current
+    return current
+
+
+def pids_writing(run_dir: Path) -> list[int]:
+    """Processes with a file open under `run_dir` (a watched job keeps its fatal-stack files open)."""
+    prefix = str(run_dir.resolve()) + os.sep
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(prefix):
+                        found.append(int(entry))
+                        break
+    return found
+
+
+def pids_of_run_id(run_id: str) -> list[int]:
+    """Processes on this host whose environment carries TORCHELASTIC_RUN_ID=run_id."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            env = read_environ(int(entry))
+            if env and env.get("TORCHELASTIC_RUN_ID") == run_id:
+                found.append(int(entry))
+    return found
+
+
+@dataclass(kw_only=True)
+class _Seen:
+    proc: psutil.Process
+    role: str  # rank | worker | helper | agent | launcher | pending
+    rank: int | None
+    source: str
+    env: dict[str, str] = field(default_factory=dict)
+    run_dir: Path | None = None
+
+
+class Discovery:
+    """Walks the job's process trees on every `refresh`; a process is named once, when first seen."""
+
+    def __init__(self, *, pid: int | None = None, run_dir: Path | None = None, nvml: object = None) -> None:
+        if pid is None and run_dir is None:
+            raise UserError("give a PID (--pid) or a run directory")
+        self.run_dir = run_dir
+        self.roots: list[psutil.Process] = []
+        self._nvml = nvml
+        self._seen: dict[int, _Seen] = {}
+        self._spawn_order: dict[int, int] = {}
+        self._run_ids_joined: set[str] = set()
+        self._notes: set[str] = set()
+        if pid is not None:
+            self.roots.append(job_root(attach(pid)))
+        else:
+            self._roots_from_run_dir()
+
+    def _roots_from_run_dir(self) -> None:
+        known = {r.pid for r in self.roots}
+        for pid in pids_writing(self.run_dir):
+            with contextlib.suppress(psutil.Error):
+                root = job_root(psutil.Process(pid))
+                if root.pid not in known:
+                    self.roots.append(root)
+                    known.add(root.pid)
+
+    def alive(self) -> bool:
+        return any(_running(root) for root in self.roots)
+
+    def refresh(self) -> JobLayout:
+        if self.run_dir is not None and not self.alive():
+            self._roots_from_run_dir()
+        procs: dict[int, psutil.Process] = {}
+        me = os.getpid()
+        for root in self.roots:
+            with contextlib.suppress(psutil.Error):
+                for proc in [root, *root.children(recursive=True)]:
+                    if proc.pid != me:
+                        procs.setdefault(proc.pid, proc)
+        for pid in [p for p in self._seen if p not in procs]:
+            del self._seen[pid]
+        for proc in sorted(procs.values(), key=_create_time):
+            seen = self._seen.get(proc.pid)
+            if seen is None or seen.proc != proc or seen.role == "pending":
+                with contextlib.suppress(psutil.Error):
+                    seen = self._seen[proc.pid] = self._name(proc)
+                    seen.env = read_environ(proc.pid) or {}
+            if seen is not None and seen.role == "rank" and seen.run_dir is None:
+                seen.run_dir = watched_file_rank(proc.pid)[1]  # watch opens it a moment after start
+        self._join_run_ids()
+        return self._layout()
+
+    def _join_run_ids(self) -> None:
+        """Other agents of the same torchrun job on this host (several --nnodes on one machine)."""
+        ids = set()
+        for seen in self._seen.values():
+            if seen.role == "rank":
+                run_id = seen.env.get("TORCHELASTIC_RUN_ID")
+                if run_id and run_id != "none":
+                    ids.add(run_id)
+        known = {r.pid for r in self.roots}
+        for run_id in ids - self._run_ids_joined:
+            self._run_ids_joined.add(run_id)
+            for pid in pids_of_run_id(run_id):
+                with contextlib.suppress(psutil.Error):
+                    root = job_root(psutil.Process(pid))
+                    if root.pid not in known:
+                        self.roots.append(root)
+                        known.add(root.pid)
+
+    def _parent_seen(self, proc: psutil.Process) -> _Seen | None:
+        with contextlib.suppress(psutil.Error):
+            for parent in proc.parents():
+                if parent.pid in self._seen:
+                    return self._seen[parent.pid]
+        return None
+
+    def _name(self, proc: psutil.Process) -> _Seen:
+        env = read_environ(proc.pid)
+        if env is None:
+            self._notes.add("some processes' environments could not be read (ranks guessed)")
+        env = env or {}
+        cmdline = cmdline_of(proc)
+        comm = proc.name()
+        parent = self._parent_seen(proc)
+        env_rank = _int(env.get("RANK"))
+        spawned = SPAWNED.search(cmdline) is not None and comm != WORKER_COMM and not HELPER.search(cmdline)
+        if parent is not None and parent.role == "rank" and parent.source == "root":
+            if env_rank is not None:
+                parent.role = "launcher"  # the root launched ranks (an in-process elastic agent): not rank 0
+            elif spawned:
+                return self._spawned(proc, parent)
+        if (
+            parent is not None
+            and parent.role == "rank"
+            and (comm == WORKER_COMM or env_rank is None or env_rank == parent.rank)
+        ):
+            kind = "helper" if HELPER.search(cmdline) else "worker"
+            return _Seen(proc=proc, role=kind, rank=parent.rank, source="parent")
+        if parent is not None and parent.role in ("worker", "helper"):
+            return _Seen(proc=proc, role=parent.role, rank=parent.rank, source="parent")
+        if env_rank is not None:
+            return _Seen(proc=proc, role="rank", rank=env_rank, source="env")
+        if LAUNCHER.search(cmdline):
+            return _Seen(proc=proc, role="agent", rank=None, source="cmdline")
+        watched, _ = watched_file_rank(proc.pid)
+        if watched is not None:
+            return _Seen(proc=proc, role="rank", rank=watched, source="watch")
+        match = LOCAL_RANK_ARG.search(cmdline)
+        if match:
+            return _Seen(proc=proc, role="rank", rank=int(match.group(1)), source="cmdline")
+        if HELPER.search(cmdline):
+            return _Seen(proc=proc, role="helper", rank=None, source="cmdline")
+        if parent is not None and spawned:
+            return self._spawned(proc, parent)
+        if parent is None:
+            return _Seen(proc=proc, role="rank", rank=0, source="root")
+        return _Seen(proc=proc, role="helper", rank=parent.rank, source="parent")
+
+    def _spawned(self, proc: psutil.Process, parent: _Seen) -> _Seen:
+        """A child torch.multiprocessing.spawn started: ranks in start order below their launcher. One
+        younger than SPAWN_SETTLE_S is named later: a spawn-context DataLoader worker renames itself."""
+        if parent.role == "rank" and parent.source == "root":
+            parent.role = "launcher"
+        watched, _ = watched_file_rank(proc.pid)
+        if watched is not None:  # under watch each spawned rank writes its own stream: its true rank
+            return _Seen(proc=proc, role="rank", rank=watched, source="watch")
+        if time.time() - _create_time(proc) < SPAWN_SETTLE_S:
+            return _Seen(proc=proc, role="pending", rank=None, source="spawn")
+        key = self._nearest(proc)
+        number = self._spawn_order.get(key, 0)
+        self._spawn_order[key] = number + 1
+        return _Seen(proc=proc, role="rank", rank=number, source="spawn")
+
+    def _nearest(self, proc: psutil.Process) -> int:
+        with contextlib.suppress(psutil.Error):
+            for parent in proc.parents():
+                if parent.pid in self._seen:
+                    return parent.pid
+        return -1
+
+    def _layout(self) -> JobLayout:
+        ranks: dict[int, RankProc] = {}
+        for pid, seen in self._seen.items():
+            if seen.role != "rank" or seen.rank is None:
+                continue
+            env = seen.env
+            agent = self._agent_of(seen.proc)
+            run_dir = seen.run_dir
+            ranks[seen.rank] = RankProc(
+                rank=seen.rank,
+                pid=pid,
+                rank_source=seen.source,
+                local_rank=_int(env.get("LOCAL_RANK")),
+                world_size=_int(env.get("WORLD_SIZE")),
+                group_rank=_int(env.get("GROUP_RANK")),
+                run_id=env.get("TORCHELASTIC_RUN_ID"),
+                cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                agent_pid=agent,
+                run_dir=run_dir or self.run_dir,
+                cmdline=cmdline_of(seen.proc),
+            )
+        for pid, seen in self._seen.items():
+            if seen.role in ("worker", "helper") and seen.rank in ranks:
+                owner = ranks[seen.rank]
+                if pid != owner.pid:
+                    (owner.workers if seen.role == "worker" else owner.helpers).append(pid)
+        self._assign_gpus(ranks)
+        world = next((r.world_size for r in ranks.values() if r.world_size), None)
+        run_dir = self.run_dir or next((r.run_dir for r in ranks.values() if r.run_dir), None)
+        return JobLayout(
+            ranks=dict(sorted(ranks.items())),
+            agents=[p for p, s in self._seen.items() if s.role in ("agent", "launcher")],
+            script=_script(
+                [r.cmdline for _, r in sorted(ranks.items()) if not SPAWNED.search(r.cmdline)]
+                + [cmdline_of(root) for root in self.roots]  # mp.spawn's ranks run `python -c ...`
+            ),
+            world_size=world or (len(ranks) if ranks else None),
+            run_id=next((r.run_id for r in ranks.values() if r.run_id), None),
+            run_dir=run_dir,
+            notes=sorted(self._notes),
+        )
+
+    def _agent_of(self, proc: psutil.Process) -> int | None:
+        with contextlib.suppress(psutil.Error):
+            for parent in proc.parents():
+                seen = self._seen.get(parent.pid)
+                if seen is not None and seen.role in ("agent", "launcher"):
+                    return parent.pid
+        return None
+
+    def _assign_gpus(self, ranks: dict[int, RankProc]) -> None:
+        per_pid = {}
+        if self._nvml is not None and getattr(self._nvml, "available", False):
+            per_pid = self._nvml.process_memory()
+        for rank in ranks.values():
+            listed = per_pid.get(rank.pid)
+            if listed is not None and listed.devices:
+                rank.gpus = list(listed.devices)
+            else:
+                rank.gpus = gpus_from_env(rank.cuda_visible_devices, rank.local_rank, bool(per_pid))
+
+
+def gpus_from_env(visible: str | None, local_rank: int | None, nvml_listed_any: bool) -> list[int]:
+    """The device a rank most likely uses when NVML does not list it: `cuda:LOCAL_RANK` among
+    CUDA_VISIBLE_DEVICES (indices only; UUIDs need NVML). Nothing when NVML lists processes but not this
+    one (it holds no context: a CPU rank), or when the variable is empty or absent and no local rank is known.
+
+    >>> gpus_from_env("2,3", 1, False), gpus_from_env(None, 0, False), gpus_from_env("", 0, False)
+    ([3], [], [])
+    """
+    if nvml_listed_any or local_rank is None or not visible:
+        return []
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if local_rank < len(devices) and devices[local_rank].isdigit():
+        return [int(devices[local_rank])]
+    return []
+
+
+def _script(cmdlines: list[str]) -> str:
+    """What the ranks run, for the header: the script after `watch --`, the `-m` module, the first `*.py`.
+
+    >>> _script(["/usr/bin/python3 -m ciuic_doctor job --steps 9 --out /r"])
+    'ciuic-doctor job'
+    >>> _script(["python -m ciuic_doctor watch --out r -- train.py --lr 3"]), _script(["python x/main.py"])
+    ('train.py', 'main.py')
+    """
+    for cmdline in cmdlines:
+        words = cmdline.split()
+        if "--" in words and words.index("--") + 1 < len(words):
+            return os.path.basename(words[words.index("--") + 1])
+        for i, word in enumerate(words[:-1]):
+            if word == "-m":
+                if words[i + 1] == "ciuic_doctor" and i + 2 < len(words):
+                    return f"ciuic-doctor {words[i + 2]}"
+                return words[i + 1]
+        for word in words[1:]:
+            if word.endswith(".py"):
+                return os.path.basename(word)
+    return os.path.basename((cmdlines[0].split() or ["?"])[0]) if cmdlines else "?"
+
+
+def _create_time(proc: psutil.Process) -> float:
+    with contextlib.suppress(psutil.Error):
+        return proc.create_time()
+    return float("inf")
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -1,0 +1,110 @@
+"""Discovery on real process trees that are not torchrun's: a script that starts its ranks with
+torch.multiprocessing.spawn, each with a DataLoader worker, unwatched (no run directory, no RANK in the
+environment); and the one-line errors of top/export for a wrong target."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.test_live_job import CLI, top_once, wait_for
+
+SPAWN_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    import torch.multiprocessing as mp
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def rank_main(rank, world, ready):
+        data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 1))
+        loader = DataLoader(data, batch_size=64, num_workers=1, persistent_workers=True)
+        model = torch.nn.Linear(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        while True:
+            for x, y in loader:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                opt.zero_grad(); loss.backward(); opt.step()
+                open(ready + str(rank), "w").close()
+                time.sleep(0.005)
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        mp.spawn(rank_main, args=(2, sys.argv[1]), nprocs=2)
+    """
+)
+
+
+@pytest.mark.slow
+def test_mp_spawn_ranks_and_their_dataloader_workers_are_found(tmp_path: Path) -> None:
+    script = tmp_path / "spawn_train.py"
+    script.write_text(SPAWN_SCRIPT)
+    ready = str(tmp_path / "ready.")
+    proc = subprocess.Popen([sys.executable, str(script), ready], start_new_session=True)
+    try:
+        wait_for("both ranks training", lambda: all(os.path.exists(ready + r) for r in "01"), timeout_s=120)
+        ranks = [
+            c for c in psutil.Process(proc.pid).children() if "multiprocessing" in " ".join(c.cmdline())
+            and "resource_tracker" not in " ".join(c.cmdline())
+        ]  # fmt: skip
+        ranks.sort(key=lambda c: c.create_time())
+        text = top_once("--pid", str(ranks[1].pid), "--interval", "0.5")  # a rank's PID finds the job
+        assert "script spawn_train.py" in text
+        assert "ranks here 2" in text
+        lines = {
+            line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])
+        }
+        assert lines["0"][1] == str(ranks[0].pid), text
+        assert lines["1"][1] == str(ranks[1].pid), text
+        for words in lines.values():
+            assert words[9].startswith("1/"), text  # WKR: one DataLoader worker each, with its CPU %
+            assert words[3] == "ok"
+            assert words[12] == "-"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["top", "--once", "--pid", "999999999"], "no process with PID 999999999"),
+        (["top", "--once"], "give a running job's PID"),
+        (["top", "--once", "/nonexistent/run"], "/nonexistent/run: not a directory"),
+        (["export", "--port", "9464"], "export needs the running job's PID"),
+        (["top", "--once", "--pid", "1", "/tmp"], "one of them"),
+    ],
+)
+def test_a_wrong_target_is_one_line_and_exit_2(argv: list[str], said: str) -> None:
+    done = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_an_idle_run_directory_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run([*CLI, "top", "--once", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert "no running process is writing" in done.stderr
+
+
+def test_help_and_top_import_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from ciuic_doctor.cli import build_parser\n"
+        "build_parser()\n"
+        "import ciuic_doctor.commands.top, ciuic_doctor.commands.export\n"
+        "import ciuic_doctor.live.view, ciuic_doctor.live.render, ciuic_doctor.live.metrics\n"
+        "import ciuic_doctor.live.top_app\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,296 @@
+"""`top` and `export` attached from outside to a real 2-rank torchrun job of the embedded model: both ranks
+found with their PIDs and live figures; a SIGSTOPped rank shown stalled within 2 x the sampling interval +
+its step time; a real Prometheus server scraping the endpoint (a step-rate series per rank, the stalled
+rank's alert firing); `top` driven through tmux as a person would (sort, stacks, quit)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "ciuic_doctor"]
+
+
+def wait_for(what: str, check, timeout_s: float = 120.0, every_s: float = 0.2):
+    """Poll `check` until it returns something truthy (observable state, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def lines_in(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def rank_pids(agent: int) -> dict[int, int]:
+    out = {}
+    for child in psutil.Process(agent).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            rank = child.environ().get("RANK")
+            if rank is not None and child.name() != "pt_data_worker" and child.parent().pid == agent:
+                out[int(rank)] = child.pid
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """torchrun --nproc-per-node 2 -m ciuic_doctor job: the embedded DeepSeek-V3 job, watched by itself."""
+    run = tmp_path_factory.mktemp("live") / "run"
+    log = (run.parent / "job.log").open("w")
+    command = [str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "ciuic_doctor", "job",
+               "--steps", "100000", "--out", str(run)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(
+            "both ranks' first steps",
+            lambda: (
+                (proc.poll() is None and all(lines_in(run / f"steps.rank{r}.jsonl") >= 3 for r in (0, 1)))
+                or proc.poll() is not None
+            ),
+        )
+        assert proc.poll() is None, (run.parent / "job.log").read_text()[-2000:]
+        pids = wait_for("both ranks", lambda: len(p := rank_pids(proc.pid)) == 2 and p)
+        yield {"agent": proc.pid, "run": run, "ranks": pids}
+    finally:
+        for pid in psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []:
+            with contextlib.suppress(psutil.Error):
+                os.kill(pid.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@contextlib.contextmanager
+def stopped(pid: int):
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def top_once(*args: str) -> str:
+    done = subprocess.run(
+        [*CLI, "top", "--once", *args], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def rank_line(text: str, rank: int, pid: int) -> list[str]:
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) > 5 and words[0] == str(rank) and words[1] == str(pid):
+            return words
+    raise AssertionError(f"no line for rank {rank} (PID {pid}) in:\n{text}")
+
+
+def test_top_once_shows_both_ranks_with_pids_and_live_figures(job) -> None:
+    text = top_once("--pid", str(job["agent"]), "--interval", "0.5")
+    assert "world size 2" in text
+    assert "ranks here 2" in text
+    assert f"run {job['run']}" in text
+    for rank, pid in job["ranks"].items():
+        words = rank_line(text, rank, pid)
+        header = next(line for line in text.splitlines() if line.split()[:2] == ["RANK", "PID"]).split()
+        cells = dict(zip(header, words, strict=False))
+        assert cells["LR"] == str(rank)
+        assert float(cells["CPU%"]) > 0  # it trains: CPU time moved between the two samples
+        assert cells["RSS"].endswith(("M", "G"))
+        assert int(cells["STEP"]) >= 3
+        assert float(cells["STEP/S"]) > 0
+        assert cells["STATUS"] == "ok"
+    # a rank's own PID finds the same job; so does the run directory being written
+    by_rank = top_once("--pid", str(job["ranks"][1]), "--interval", "0.2")
+    by_run = top_once(str(job["run"]), "--interval", "0.2")
+    for text in (by_rank, by_run):
+        for rank, pid in job["ranks"].items():
+            rank_line(text, rank, pid)
+
+
+def test_a_sigstopped_rank_is_shown_stalled_within_two_intervals_and_a_step(job) -> None:
+    from ciuic_doctor.live.view import LiveJob
+
+    interval_s = 0.5
+    live = LiveJob(pid=job["agent"])
+    frame = live.update()
+    step_time_s = max(r.figures.get("step_time_s") or 0 for r in frame.rows)
+    with stopped(job["ranks"][1]) as since:
+
+        def rank1_stalled():
+            time.sleep(interval_s)
+            rows = {r.rank: r for r in live.update().rows}
+            return rows[1].verdict.stalled and time.monotonic() - since
+
+        took_s = wait_for("rank 1 shown stalled", rank1_stalled, timeout_s=30, every_s=0)
+        assert took_s <= 2 * interval_s + step_time_s, (took_s, step_time_s)
+        text = top_once("--pid", str(job["agent"]), "--interval", "0.2")
+        words = rank_line(text, 1, job["ranks"][1])
+        assert words[3] == "STALLED"
+        assert words[4] == "stopped"
+        assert "rank 1: process stopped" in text
+        assert rank_line(text, 0, job["ranks"][0])[3] in ("ok", "waiting")
+
+
+def _prometheus_query(port: int, query: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        body = json.load(answer)
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _up(port: int) -> bool:
+    with (
+        contextlib.suppress(OSError),
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as answer,
+    ):
+        return answer.status == 200
+    return False
+
+
+def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job, tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    server = shutil.which("prometheus")
+    if server is None:
+        pytest.skip("Debian's prometheus is not installed (scripts/ensure-test-tools.sh installs it as root)")
+    export_port, prom_port = free_port(), free_port()
+    exporter = subprocess.Popen(
+        [*CLI, "export", "--pid", str(job["agent"]), "--port", str(export_port), "--address", "127.0.0.1",
+         "--interval", "0.5", "--job", "livetest"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    rules = (REPO / "deploy/prometheus/ciuic-alerts.yml").read_text()
+    (tmp_path / "rules.yml").write_text(re.sub(r"for: \S+", "for: 0s", rules))  # the rule, not its debounce
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "rule_files: [rules.yml]\n"
+        "scrape_configs:\n"
+        "  - job_name: ciuic\n    honor_labels: true\n"
+        f"    static_configs: [{{targets: ['127.0.0.1:{export_port}']}}]\n"
+    )
+    prom = subprocess.Popen(
+        [server, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
+    )  # fmt: skip
+    try:
+        wait_for("prometheus ready", lambda: _up(prom_port) or prom.poll() is not None, timeout_s=60)
+        assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+        series = wait_for(
+            "a step-rate series per rank",
+            lambda: (
+                len(r := _prometheus_query(prom_port, "rate(ciuic_rank_steps_total[10s]) > 0")) == 2 and r
+            ),
+            timeout_s=60,
+            every_s=1,
+        )
+        assert sorted(s["metric"]["rank"] for s in series) == ["0", "1"]
+        assert {s["metric"]["job"] for s in series} == {"livetest"}
+        assert {s["metric"]["local_rank"] for s in series} == {"0", "1"}
+        assert not any("pid" in key or "step" in key for s in series for key in s["metric"])
+        with stopped(job["ranks"][1]):
+            alerts = wait_for(
+                "the stalled-rank alert firing",
+                lambda: _prometheus_query(
+                    prom_port, 'ALERTS{alertname="CiuicRankStalled", alertstate="firing"}'
+                ),
+                timeout_s=60,
+                every_s=1,
+            )
+        assert [a["metric"]["rank"] for a in alerts] == ["1"]
+    finally:
+        for proc in (prom, exporter):
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _pane(session: str) -> str:
+    done = subprocess.run(
+        ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=False
+    )
+    return done.stdout
+
+
+def test_top_in_tmux_sorts_shows_stacks_and_quits(job, tmp_path: Path) -> None:
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (scripts/ensure-test-tools.sh installs it as root)")
+    session = f"ciuic-top-{os.getpid()}"
+    frames = tmp_path / "frames.txt"
+    command = " ".join([*CLI, "top", "--pid", str(job["agent"]), "--interval", "0.5"])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "220", "-y", "40", command], check=True)
+    try:
+        seen = wait_for(
+            "the first frame", lambda: "sort: status" in (p := _pane(session)) and p, timeout_s=60
+        )
+        assert re.search(rf"^\s*0\s+{job['ranks'][0]}\s", seen, re.M), seen
+        subprocess.run(["tmux", "send-keys", "-t", session, "s"], check=True)
+        seen = wait_for("sort by rank", lambda: "sort: rank" in (p := _pane(session)) and p, timeout_s=30)
+        frames.write_text(seen)
+        subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
+        stacks = wait_for(
+            "the stack view", lambda: "innermost first" in (p := _pane(session)) and "rank 1 (PID" in p and p,
+            timeout_s=60,
+        )  # fmt: skip
+        assert "stacks (py-spy" in stacks
+        assert "train" in stacks
+        with frames.open("a") as f:
+            f.write("\n---\n" + stacks)
+        subprocess.run(["tmux", "send-keys", "-t", session, "x"], check=True)
+        wait_for("back from the stack view", lambda: "sort: rank" in _pane(session), timeout_s=30)
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        wait_for(
+            "top to quit",
+            lambda: (
+                subprocess.run(
+                    ["tmux", "has-session", "-t", session], capture_output=True, check=False
+                ).returncode
+                != 0
+            ),
+            timeout_s=30,
+        )
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True, check=False)
+        out = os.environ.get("CIUIC_TOP_FRAMES")
+        if out and frames.exists():
+            shutil.copy(frames, out)

@@ -1,0 +1,272 @@
+"""The live view's pieces on constructed data: the steps tail, the verdicts, GPUs from NVML and the
+environment, the collapsed screen and the Prometheus series (no processes beyond this one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ciuic_doctor.live import streams
+from ciuic_doctor.live.discover import gpus_from_env
+from ciuic_doctor.live.render import as_text, clean, distribution, visible_rows
+from ciuic_doctor.live.sample import RankSample
+from ciuic_doctor.live.streams import StepsTail, StepWindow
+from ciuic_doctor.live.verdicts import (
+    MemoryHistory,
+    RankVerdict,
+    Thresholds,
+    memory_climbing,
+    overflow_storms,
+    stalled,
+    stragglers,
+)
+from ciuic_doctor.live.view import Frame, Row
+from ciuic_doctor.nvml import Nvml
+
+
+def _line(step: int, **fields) -> str:
+    return json.dumps({"schema": 1, "t": 1000.0 + step, "step": step, **fields}) + "\n"
+
+
+def test_tail_reads_only_new_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "steps.rank0.jsonl"
+    path.write_text(_line(1, loss=2.0) + _line(2, loss=1.9) + '{"step": 3, "lo')  # a torn last line
+    tail = StepsTail(tmp_path)
+    window = tail.poll()[0]
+    assert [r["step"] for r in window.records] == [1, 2]
+    with path.open("a") as f:
+        f.write('ss": 1.8, "t": 1003.0}\n' + "not json\n" + _line(4, loss=1.7))
+    window = tail.poll()[0]
+    assert [r["step"] for r in window.records] == [1, 2, 3, 4]
+    assert window.bad_lines == 1
+    assert window.steps_seen == 4
+
+
+def test_tail_never_follows_a_symlink_and_starts_near_the_end(tmp_path: Path, monkeypatch) -> None:
+    secret = tmp_path / "elsewhere.jsonl"
+    secret.write_text(_line(1, loss=1.0))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "steps.rank1.jsonl").symlink_to(secret)
+    monkeypatch.setattr(streams, "START_TAIL_BYTES", 200)
+    (run / "steps.rank0.jsonl").write_text("".join(_line(s, loss=1.0) for s in range(1, 101)))
+    tail = StepsTail(run)
+    windows = tail.poll()
+    assert 1 not in windows
+    assert "symlink" in tail.refused["steps.rank1.jsonl"]
+    steps = [r["step"] for r in windows[0].records]
+    assert steps[-1] == 100
+    assert len(steps) < 5
+    (run / "steps.rank0.jsonl").write_text(_line(1, loss=3.0))  # truncated: read again from the start
+    assert [r["step"] for r in tail.poll()[0].records][-1] == 1
+
+
+def _window(rank: int, pre_backward_s: float, n: int = 30, skipped: set[int] | None = None) -> StepWindow:
+    window = StepWindow(rank=rank)
+    for step in range(1, n + 1):
+        jitter = 0.002 * ((step * 7 + rank) % 5)
+        window.records.append(
+            {
+                "step": step,
+                "t": 1000.0 + step,
+                "step_time_s": 0.5 + jitter,
+                "pre_backward_s": pre_backward_s + jitter,
+                "skipped": step in (skipped or set()),
+            }
+        )
+    return window
+
+
+def test_straggler_is_the_rank_whose_own_pace_is_behind() -> None:
+    windows = {r: _window(r, 0.20) for r in range(8)}
+    windows[5] = _window(5, 0.26)  # 30 % slower before backward; step times equal (DDP evens them)
+    assert list(stragglers(windows)) == [5]
+    windows[5] = _window(5, 0.205)  # within noise and under 10 %
+    assert stragglers(windows) == {}
+
+
+def test_overflow_storm_leaves_calibration_out() -> None:
+    calibration = {1, 2, 3, 4, 5, 6}  # back to back from step 1: GradScaler finding its scale
+    assert overflow_storms({0: _window(0, 0.2, n=60, skipped=calibration)}) == {}
+    storm = calibration | {40, 42, 45, 47, 50}
+    assert list(overflow_storms({0: _window(0, 0.2, n=60, skipped=storm)})) == [0]
+    assert overflow_storms({0: _window(0, 0.2, n=60, skipped={40, 42, 45, 47})}) == {}
+
+
+def _sample(rank: int, state: str = "sleeping", rss: int | None = None) -> RankSample:
+    return RankSample(rank=rank, pid=1000 + rank, up=True, state=state, rss_bytes=rss)
+
+
+def test_stalled_names_the_culprit_and_the_waiters() -> None:
+    limits = Thresholds(stall_median_steps=20, stall_min_s=30)
+    samples = {r: _sample(r) for r in range(4)}
+    samples[2] = _sample(2, state="stopped")
+    figures = {r: {"step": 10, "step_time_s": 0.5, "since_last_step_s": 40.0} for r in range(4)}
+    found = stalled(samples, figures, limits)
+    assert found[2][0] == "stalled"
+    assert "SIGSTOP" in found[2][1]
+    assert {r for r, (kind, _) in found.items() if kind == "waiting"} == {0, 1, 3}
+    # no stopped process: the rank one step behind is the culprit, the others wait for it
+    samples[2] = _sample(2)
+    figures[2]["step"] = 9
+    found = stalled(samples, figures, limits)
+    assert found[2][0] == "stalled"
+    assert found[0][0] == "waiting"
+    for f in figures.values():
+        f["since_last_step_s"] = 5.0  # under 30 s: nothing is stalled yet
+    assert stalled(samples, figures, limits) == {}
+
+
+def test_memory_climbing_needs_a_steady_rise() -> None:
+    history = MemoryHistory()
+    for i in range(40):
+        history.add(
+            float(i), {0: _sample(0, rss=2**30 + i * 4 * 2**20), 1: _sample(1, rss=2**30 + (i % 3) * 2**20)}
+        )
+    assert list(memory_climbing(history)) == [0]
+
+
+def test_gpus_from_nvml_by_pid_else_from_the_environment() -> None:
+    assert gpus_from_env("4,5,6,7", 2, nvml_listed_any=False) == [6]
+    assert gpus_from_env("GPU-1f2e", 0, nvml_listed_any=False) == []  # a UUID needs NVML
+    assert gpus_from_env("4,5", 0, nvml_listed_any=True) == []  # NVML lists others, not this PID
+
+
+class _FakePynvml:
+    """nvidia-ml-py's calls, answering like a 2-GPU box (figures from an H100's nvidia-smi -q)."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_CLOCK_SM = 1
+
+    def nvmlDeviceGetUtilizationRates(self, h):  # noqa: N802 - the library\'s names
+        return SimpleNamespace(gpu=[97, 3][h], memory=40)
+
+    def nvmlDeviceGetMemoryInfo(self, h):  # noqa: N802 - the library\'s names
+        return SimpleNamespace(total=80 * 2**30, used=[61 * 2**30, 2**30][h])
+
+    def nvmlDeviceGetPowerUsage(self, h):  # noqa: N802 - the library\'s names
+        if h == 1:
+            raise self.NVMLError("Not Supported")
+        return 612_000  # milliwatts
+
+    def nvmlDeviceGetClockInfo(self, h, kind):  # noqa: N802 - the library\'s names
+        return 1980
+
+    def nvmlDeviceGetUUID(self, h):  # noqa: N802 - the library\'s names
+        return f"GPU-0000000{h}"
+
+
+def test_nvml_device_figures_from_a_constructed_library() -> None:
+    nvml = Nvml(lib=_FakePynvml(), handles=[0, 1])
+    first, second = nvml.device_figures()
+    assert first == {
+        "index": 0,
+        "uuid": "GPU-00000000",
+        "utilization_ratio": 0.97,
+        "memory_used_bytes": 61 * 2**30,
+        "memory_total_bytes": 80 * 2**30,
+        "power_watts": 612.0,
+        "sm_clock_hertz": 1980e6,
+    }
+    assert second["power_watts"] is None
+    assert second["utilization_ratio"] == 0.03
+    assert Nvml(reason="no driver").device_figures() == []
+
+
+def _frame(n: int, stalled_rank: int | None = None) -> Frame:
+    rows = []
+    for r in range(n):
+        verdict = RankVerdict(
+            rank=r, stalled=r == stalled_rank, why=["no step for 40 s"] if r == stalled_rank else []
+        )
+        sample = RankSample(
+            rank=r,
+            pid=5000 + r,
+            up=True,
+            state="running",
+            cpu_percent=99.0,
+            cpu_seconds=12.5,
+            rss_bytes=3 << 30,
+        )
+        figures = {"step": 100, "steps_per_s": 2.0, "step_time_s": 0.5, "since_last_step_s": 0.2, "loss": 2.5}
+        rows.append(
+            Row(rank=r, pid=5000 + r, host="node-0", local_rank=r % 8, gpu=str(r % 8), sample=sample,
+                figures=figures, verdict=verdict)
+        )  # fmt: skip
+    return Frame(t=time.time(), script="train.py", world_size=n, hosts=["node-0"], run_id="j1",
+                 run_dir=None, agents=[1], rows=rows, step=100, step_time_series=[0.5, 0.6, 0.5],
+                 loss_series=[3.0, 2.5])  # fmt: skip
+
+
+def test_past_a_screen_the_stalled_rank_stays_and_the_rest_is_one_line() -> None:
+    frame = _frame(1024, stalled_rank=700)
+    shown, folded = visible_rows(frame, "rank", 10)
+    assert len(shown) == 9
+    assert 700 in [r.rank for r in shown]
+    assert len(folded) == 1015
+    assert distribution(folded).startswith("... 1015 more ranks (1015 ok): steps/s min 2.00 p50 2.00")
+    text = as_text(frame, sort="rank", max_rows=10)
+    assert "STALLED" in text
+    assert "... 1015 more ranks" in text
+    assert "rank 700: no step for 40 s" in text
+
+
+def test_strings_from_the_job_cannot_drive_the_terminal() -> None:
+    assert clean("train\x1b[2J.py\n") == "train?[2J.py?"
+    frame = _frame(2)
+    frame.script = "[bold red]x\x1b]0;pwned\x07"
+    text = as_text(frame)
+    assert "[bold red]x?]0;pwned?" in text
+    assert "\x1b" not in text
+
+
+def test_metrics_follow_prometheus_conventions_and_the_rank_cap() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ciuic_doctor.live.metrics import ExportConfig, Sampled
+
+    frame = _frame(12, stalled_rank=11)
+    live = SimpleNamespace(tails={}, host="node-0", update=lambda: frame)
+    sampled = Sampled(live, ExportConfig(job="j1", max_ranks=4))
+    sampled.sample_once()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(sampled)
+    text = generate_latest(registry).decode()
+    samples = [line for line in text.splitlines() if line.startswith("ciuic_rank_stalled{")]
+    assert len(samples) == 4  # capped, and the stalled rank is among those kept
+    assert any('rank="11"' in s and s.endswith(" 1.0") for s in samples)
+    assert 'ciuic_ranks_omitted{host="node-0",job="j1"} 8.0' in text
+    for line in text.splitlines():
+        if line.startswith("ciuic_rank_"):
+            labels = line[line.index("{") + 1 : line.index("}")]
+            assert sorted(kv.split("=")[0] for kv in labels.split(",")) == sorted(
+                ["job", "host", "rank", "local_rank", "gpu"]
+            )
+    assert "# TYPE ciuic_rank_cpu_seconds_total counter" in text
+    assert "ciuic_rank_cpu_seconds_total{" in text
+    assert 'pid="' not in text
+    assert 'step="' not in text
+
+
+def test_environ_reading_keeps_only_the_rank_keys() -> None:
+    from ciuic_doctor.live.discover import read_environ
+
+    env = read_environ(os.getpid())
+    assert env is not None
+    assert set(env) <= {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "GROUP_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "CUDA_VISIBLE_DEVICES",
+    }

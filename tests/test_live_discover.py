@@ -108,3 +108,59 @@ def test_help_and_top_import_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+WATCHED_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    while not os.path.exists(sys.argv[1]):
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(0.02)
+    """
+)
+
+
+def _metrics(port: int) -> str:
+    import urllib.request
+
+    with (
+        contextlib.suppress(OSError),
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r,
+    ):
+        return r.read().decode()
+    return ""
+
+
+@pytest.mark.slow
+def test_watch_metrics_port_serves_the_watched_script_and_ends_with_it(tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    from tests.test_live_job import free_port
+
+    script, stop, port = tmp_path / "loop.py", tmp_path / "stop", free_port()
+    script.write_text(WATCHED_SCRIPT)
+    proc = subprocess.Popen(
+        [*CLI, "watch", "--metrics-port", str(port), "--out", str(tmp_path / "run"), "--", str(script),
+         str(stop)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        text = wait_for(
+            "the watched script's steps on the endpoint",
+            lambda: 'ciuic_rank_steps_total{gpu="",host=' in (t := _metrics(port)) and t,
+            timeout_s=120,
+            every_s=0.5,
+        )
+        line = next(x for x in text.splitlines() if x.startswith("ciuic_rank_steps_total{"))
+        assert 'rank="0"' in line
+        assert float(line.split()[-1]) >= 1
+        assert f'job="{tmp_path.name}"' not in line  # the run directory's name is "run"
+        assert 'job="run"' in line
+    finally:
+        stop.touch()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    wait_for("the exporter to end with the job", lambda: _metrics(port) == "", timeout_s=30)

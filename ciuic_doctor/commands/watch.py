@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
     )
+    parser.add_argument(  # issue 26
+        "--metrics-port",
+        type=positive_int,
+        metavar="N",
+        help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
+        "started by local rank 0 in a process of its own; it ends with the job)",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -134,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         probe_fields={"argv": argv},
     )
     started = time.time()
+    if args.metrics_port and not args.child:  # issue 26: one exporter per node, outside this process
+        from ciuic_doctor.live.exporter import should_start, start_exporter
+
+        if should_start():
+            start_exporter(port=args.metrics_port, run_dir=session.run.path)
 
     def report(status: str, code: int) -> None:
         children = watch_children.children_started()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -30,18 +29,26 @@ from pathlib import Path
 import psutil
 
 from ciuic_doctor.errors import UserError
-
-LAUNCHER = re.compile(
-    r"(^|[/\s])torchrun(\s|$)|torch\.distributed\.(run|launch)|deepspeed\.launcher|accelerate\s+launch"
+from ciuic_doctor.live.procs import (
+    HELPER,
+    LAUNCHER,
+    LOCAL_RANK_ARG,
+    SPAWN_SETTLE_S,
+    SPAWNED,
+    WORKER_COMM,
+    attach,
+    cmdline_of,
+    create_time,
+    gpus_from_env,
+    int_or_none,
+    job_root,
+    pids_of_run_id,
+    pids_writing,
+    read_environ,
+    running,
+    script_of,
+    watched_file_rank,
 )
-LOCAL_RANK_ARG = re.compile(r"--local[-_]rank[=\s](\d+)")
-HELPER = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
-SPAWNED = re.compile(r"--multiprocessing-fork|spawn_main\(")
-# files a watched rank keeps open in its run directory: its steps stream, its watchdog's fatal-stack file
-WATCHED_FILE = re.compile(r"(?:steps\.rank(\d+)\.jsonl|hang\.rank(\d+)\.fatal\.txt)$")
-WORKER_COMM = "pt_data_worker"  # torch's DataLoader worker loop renames its process (torch/utils/data)
-SPAWN_SETTLE_S = 1.0  # a spawned child younger than this may still become a DataLoader worker by name
-ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
 
 
 @dataclass(kw_only=True)
@@ -82,120 +89,6 @@ class JobLayout:
         return sorted({r.host for r in self.ranks.values()})
 
 
-def read_environ(pid: int) -> dict[str, str] | None:
-    """The keys of ENV_KEYS in the environment `pid` started with; None where it may not be read."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            raw = f.read(1 << 20)
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except PermissionError:
-        return None
-    out: dict[str, str] = {}
-    for item in raw.split(b"\0"):
-        key, _, value = item.partition(b"=")
-        name = key.decode(errors="replace")
-        if name in ENV_KEYS:
-            out[name] = value.decode(errors="replace")
-    return out
-
-
-def _int(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
-
-
-def cmdline_of(proc: psutil.Process) -> str:
-    with contextlib.suppress(psutil.Error):
-        return " ".join(proc.cmdline())
-    return ""
-
-
-def watched_file_rank(pid: int) -> tuple[int | None, Path | None]:
-    """(rank, run dir) of a process watch is recording, from the files it keeps open there."""
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                match = WATCHED_FILE.search(target)
-                if match:
-                    return int(match.group(1) or match.group(2)), Path(target).parent
-    return None, None
-
-
-def attach(pid: int) -> psutil.Process:
-    """The process at `pid`, or a UserError that says in one line why it cannot be looked at."""
-    if pid == os.getpid():
-        raise UserError(f"PID {pid} is this process")
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            raise UserError(f"PID {pid} has already exited (a zombie); nothing to watch")
-        proc.create_time()
-    except psutil.NoSuchProcess:
-        raise UserError(f"no process with PID {pid}") from None
-    except psutil.AccessDenied:
-        raise UserError(f"PID {pid} may not be read (access denied): run as its user or as root") from None
-    return proc
-
-
-def job_root(proc: psutil.Process) -> psutil.Process:
-    """The process that launched the job `proc` belongs to: its nearest launcher ancestor (torchrun,
-    deepspeed), else the first ancestor outside the ranks (no RANK in its environment: `ciuic-doctor job
-    --nproc`, any elastic agent), else the script that mp.spawn'ed it; else the process itself."""
-    with contextlib.suppress(psutil.Error):
-        for parent in proc.parents():
-            if LAUNCHER.search(cmdline_of(parent)):
-                return parent
-    current = proc
-    with contextlib.suppress(psutil.Error):
-        while True:
-            parent = current.parent()
-            if parent is None or parent.pid <= 1:
-                return current
-            env, parent_env = read_environ(current.pid) or {}, read_environ(parent.pid)
-            if "RANK" in env:
-                if parent_env is not None and "RANK" in parent_env:
-                    current = parent  # a DataLoader worker inherits its rank's RANK: climb to the rank
-                    continue
-                # the launcher of the ranks is a Python process (an elastic agent); a shell that ran a
-                # single process with RANK set by hand is not part of the job
-                return parent if "python" in cmdline_of(parent) or "ciuic" in cmdline_of(parent) else current
-            if SPAWNED.search(cmdline_of(current)) or current.name() == WORKER_COMM:
-                current = parent
-                continue
-            return current
-    return current
-    return current
-
-
-def pids_writing(run_dir: Path) -> list[int]:
-    """Processes with a file open under `run_dir` (a watched job keeps its fatal-stack files open)."""
-    prefix = str(run_dir.resolve()) + os.sep
-    found = []
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(prefix):
-                        found.append(int(entry))
-                        break
-    return found
-
-
-def pids_of_run_id(run_id: str) -> list[int]:
-    """Processes on this host whose environment carries TORCHELASTIC_RUN_ID=run_id."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            env = read_environ(int(entry))
-            if env and env.get("TORCHELASTIC_RUN_ID") == run_id:
-                found.append(int(entry))
-    return found
-
-
 @dataclass(kw_only=True)
 class _Seen:
     proc: psutil.Process
@@ -204,6 +97,7 @@ class _Seen:
     source: str
     env: dict[str, str] = field(default_factory=dict)
     run_dir: Path | None = None
+    agent: int | None = None
 
 
 class Discovery:
@@ -234,7 +128,7 @@ class Discovery:
                     known.add(root.pid)
 
     def alive(self) -> bool:
-        return any(_running(root) for root in self.roots)
+        return any(running(root) for root in self.roots)
 
     def refresh(self) -> JobLayout:
         if self.run_dir is not None and not self.alive():
@@ -248,12 +142,14 @@ class Discovery:
                         procs.setdefault(proc.pid, proc)
         for pid in [p for p in self._seen if p not in procs]:
             del self._seen[pid]
-        for proc in sorted(procs.values(), key=_create_time):
+        for proc in sorted(procs.values(), key=create_time):
             seen = self._seen.get(proc.pid)
             if seen is None or seen.proc != proc or seen.role == "pending":
                 with contextlib.suppress(psutil.Error):
                     seen = self._seen[proc.pid] = self._name(proc)
                     seen.env = read_environ(proc.pid) or {}
+                    if seen.role == "rank":
+                        seen.agent = self._agent_of(proc)  # named once: psutil's parents() is dear
             if seen is not None and seen.role == "rank" and seen.run_dir is None:
                 seen.run_dir = watched_file_rank(proc.pid)[1]  # watch opens it a moment after start
         self._join_run_ids()
@@ -292,7 +188,7 @@ class Discovery:
         cmdline = cmdline_of(proc)
         comm = proc.name()
         parent = self._parent_seen(proc)
-        env_rank = _int(env.get("RANK"))
+        env_rank = int_or_none(env.get("RANK"))
         spawned = SPAWNED.search(cmdline) is not None and comm != WORKER_COMM and not HELPER.search(cmdline)
         if parent is not None and parent.role == "rank" and parent.source == "root":
             if env_rank is not None:
@@ -334,7 +230,7 @@ class Discovery:
         watched, _ = watched_file_rank(proc.pid)
         if watched is not None:  # under watch each spawned rank writes its own stream: its true rank
             return _Seen(proc=proc, role="rank", rank=watched, source="watch")
-        if time.time() - _create_time(proc) < SPAWN_SETTLE_S:
+        if time.time() - create_time(proc) < SPAWN_SETTLE_S:
             return _Seen(proc=proc, role="pending", rank=None, source="spawn")
         key = self._nearest(proc)
         number = self._spawn_order.get(key, 0)
@@ -354,15 +250,15 @@ class Discovery:
             if seen.role != "rank" or seen.rank is None:
                 continue
             env = seen.env
-            agent = self._agent_of(seen.proc)
+            agent = seen.agent
             run_dir = seen.run_dir
             ranks[seen.rank] = RankProc(
                 rank=seen.rank,
                 pid=pid,
                 rank_source=seen.source,
-                local_rank=_int(env.get("LOCAL_RANK")),
-                world_size=_int(env.get("WORLD_SIZE")),
-                group_rank=_int(env.get("GROUP_RANK")),
+                local_rank=int_or_none(env.get("LOCAL_RANK")),
+                world_size=int_or_none(env.get("WORLD_SIZE")),
+                group_rank=int_or_none(env.get("GROUP_RANK")),
                 run_id=env.get("TORCHELASTIC_RUN_ID"),
                 cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
                 agent_pid=agent,
@@ -380,7 +276,7 @@ class Discovery:
         return JobLayout(
             ranks=dict(sorted(ranks.items())),
             agents=[p for p, s in self._seen.items() if s.role in ("agent", "launcher")],
-            script=_script(
+            script=script_of(
                 [r.cmdline for _, r in sorted(ranks.items()) if not SPAWNED.search(r.cmdline)]
                 + [cmdline_of(root) for root in self.roots]  # mp.spawn's ranks run `python -c ...`
             ),
@@ -408,55 +304,3 @@ class Discovery:
                 rank.gpus = list(listed.devices)
             else:
                 rank.gpus = gpus_from_env(rank.cuda_visible_devices, rank.local_rank, bool(per_pid))
-
-
-def gpus_from_env(visible: str | None, local_rank: int | None, nvml_listed_any: bool) -> list[int]:
-    """The device a rank most likely uses when NVML does not list it: `cuda:LOCAL_RANK` among
-    CUDA_VISIBLE_DEVICES (indices only; UUIDs need NVML). Nothing when NVML lists processes but not this
-    one (it holds no context: a CPU rank), or when the variable is empty or absent and no local rank is known.
-
-    >>> gpus_from_env("2,3", 1, False), gpus_from_env(None, 0, False), gpus_from_env("", 0, False)
-    ([3], [], [])
-    """
-    if nvml_listed_any or local_rank is None or not visible:
-        return []
-    devices = [d.strip() for d in visible.split(",") if d.strip()]
-    if local_rank < len(devices) and devices[local_rank].isdigit():
-        return [int(devices[local_rank])]
-    return []
-
-
-def _script(cmdlines: list[str]) -> str:
-    """What the ranks run, for the header: the script after `watch --`, the `-m` module, the first `*.py`.
-
-    >>> _script(["/usr/bin/python3 -m ciuic_doctor job --steps 9 --out /r"])
-    'ciuic-doctor job'
-    >>> _script(["python -m ciuic_doctor watch --out r -- train.py --lr 3"]), _script(["python x/main.py"])
-    ('train.py', 'main.py')
-    """
-    for cmdline in cmdlines:
-        words = cmdline.split()
-        if "--" in words and words.index("--") + 1 < len(words):
-            return os.path.basename(words[words.index("--") + 1])
-        for i, word in enumerate(words[:-1]):
-            if word == "-m":
-                if words[i + 1] == "ciuic_doctor" and i + 2 < len(words):
-                    return f"ciuic-doctor {words[i + 2]}"
-                return words[i + 1]
-        for word in words[1:]:
-            if word.endswith(".py"):
-                return os.path.basename(word)
-    return os.path.basename((cmdlines[0].split() or ["?"])[0]) if cmdlines else "?"
-
-
-def _create_time(proc: psutil.Process) -> float:
-    with contextlib.suppress(psutil.Error):
-        return proc.create_time()
-    return float("inf")
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

@@ -31,8 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
 CLI = [sys.executable, "-m", "ciuic_doctor"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, as the venv may lack the script
 
 LIGHT_SCRIPT = textwrap.dedent(
     """
@@ -116,7 +116,7 @@ def detach(procs: list[subprocess.Popen], session: str) -> None:
 def step_time_ab(pairs: int, window_s: float, tmp: Path) -> float:
     run = tmp / "ab"
     job = subprocess.Popen(
-        [str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "ciuic_doctor", "job", "--steps", "1000000",
+        [*TORCHRUN, "--nproc-per-node", "2", "-m", "ciuic_doctor", "job", "--steps", "1000000",
          "--out", str(run)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
@@ -157,7 +157,7 @@ def exporter_cpu(seconds: float, tmp: Path) -> float:
     script.write_text(LIGHT_SCRIPT)
     run = tmp / "eight"
     job = subprocess.Popen(
-        [str(BIN / "torchrun"), "--nproc-per-node", "8", "-m", "ciuic_doctor", "watch", "--out", str(run),
+        [*TORCHRUN, "--nproc-per-node", "8", "-m", "ciuic_doctor", "watch", "--out", str(run),
          "--", str(script), str(seconds + 240)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip

@@ -24,9 +24,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ciuic_doctor"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, as the venv may lack the script
 
 
 def wait_for(what: str, check, timeout_s: float = 120.0, every_s: float = 0.2):
@@ -68,9 +68,10 @@ def job(tmp_path_factory):
     """torchrun --nproc-per-node 2 -m ciuic_doctor job: the embedded DeepSeek-V3 job, watched by itself."""
     run = tmp_path_factory.mktemp("live") / "run"
     log = (run.parent / "job.log").open("w")
-    command = [str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "ciuic_doctor", "job",
+    command = [*TORCHRUN, "--nproc-per-node", "2", "-m", "ciuic_doctor", "job",
                "--steps", "100000", "--out", str(run)]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         wait_for(
             "both ranks' first steps",
@@ -268,12 +269,20 @@ def test_top_in_tmux_sorts_shows_stacks_and_quits(job, tmp_path: Path) -> None:
         seen = wait_for("sort by rank", lambda: "sort: rank" in (p := _pane(session)) and p, timeout_s=30)
         frames.write_text(seen)
         subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
-        stacks = wait_for(
-            "the stack view", lambda: "innermost first" in (p := _pane(session)) and "rank 1 (PID" in p and p,
-            timeout_s=60,
-        )  # fmt: skip
+        from ciuic_doctor.hang_files import py_spy_binary
+
+        if py_spy_binary() is None:  # the view still comes, and says why it has no stacks
+            stacks = wait_for(
+                "the stack view", lambda: "py-spy is not installed" in (p := _pane(session)) and p
+            )
+        else:
+            stacks = wait_for(
+                "the stack view",
+                lambda: "innermost first" in (p := _pane(session)) and "rank 1 (PID" in p and p,
+                timeout_s=60,
+            )
+            assert "train.py" in stacks  # the rank's own frames: the embedded job's train loop
         assert "stacks (py-spy" in stacks
-        assert "train" in stacks
         with frames.open("a") as f:
             f.write("\n---\n" + stacks)
         subprocess.run(["tmux", "send-keys", "-t", session, "x"], check=True)

@@ -10,7 +10,8 @@ command -v tmux >/dev/null 2>&1 || missing="$missing tmux"
 [ -z "$missing" ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing Debian's$missing for the live-view tests..."
-  # --no-install-recommends: the server alone; policy-rc.d keeps a packaged service from starting
+  # --no-install-recommends: the server alone. Were its packaged service to start, no harm: the test
+  # starts its own server on a free loopback port
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
     $missing >/dev/null) || echo "could not install$missing; the live-view tests that need them will be skipped"
 fi

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.cli_args import positive_int
+from ciuic_doctor.cli_args import positive_float, positive_int
 from ciuic_doctor.commands.top import add_target
 
 NAME = "export"
@@ -42,7 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="per-rank series for at most N ranks of this node, those needing attention first (256)",
     )
-    parser.add_argument("--duration", type=float, metavar="S", help="stop after S seconds (default: job end)")
+    parser.add_argument(
+        "--duration",
+        type=positive_float,
+        metavar="S",
+        help="stop after S seconds (default: when the job ends)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.pid is None:
         raise UserError("export needs the running job's PID (--pid PID)")
+    if args.port > 65535:
+        raise UserError(f"--port {args.port}: a port is at most 65535")
     from ciuic_doctor.commands.top import open_job
 
     job = open_job(args.pid, None)
@@ -64,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
         job.discovery.run_dir = Path(args.run)
     layout = job.discovery.refresh()
     name = args.job or layout.run_id or (layout.run_dir.name if layout.run_dir else None) or f"pid{args.pid}"
-    if args.port > 65535:
-        raise UserError(f"--port {args.port}: a port is at most 65535")
     config = ExportConfig(job=name, interval_s=args.interval, max_ranks=args.max_ranks)
     try:
         sampled = serve(job, config, port=args.port, address=args.address)

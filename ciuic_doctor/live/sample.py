@@ -20,6 +20,7 @@ from ciuic_doctor.live.discover import JobLayout
 HAS_PROC = os.path.exists("/proc/self/statm")
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if HAS_PROC else 4096
 TICKS_PER_S = os.sysconf("SC_CLK_TCK") if HAS_PROC else 100
+USS_START_S = 0.25  # CPU seconds the first USS reads may take beyond the budget (8 ranks: ~130 ms)
 STATES = {"R": "running", "S": "sleeping", "D": "disk wait", "T": "stopped", "t": "traced", "Z": "zombie"}
 
 
@@ -188,10 +189,15 @@ class Sampler:
         return out
 
     def _read_one_uss(self, layout: JobLayout, out: dict[int, RankSample], now: float) -> None:
+        """USS of the ranks not read yet (within a one-off USS_START_S allowance, so the first frame has
+        them), else of the next rank in turn, while the reads stay within the budget."""
         ranks = sorted(r for r, s in out.items() if s.up)
-        if ranks and self._uss_cost_s <= self._uss_budget * max(1.0, now - self._started):
-            rank = ranks[self._uss_next % len(ranks)]
-            self._uss_next += 1
+        unread = [r for r in ranks if out[r].pid not in self._uss]
+        allowed = self._uss_budget * max(1.0, now - self._started)
+        for rank in unread or ranks[self._uss_next % len(ranks) :][:1] if ranks else []:
+            if self._uss_cost_s > allowed + (USS_START_S if unread else 0.0):
+                break
+            self._uss_next += 0 if unread else 1
             began = time.thread_time()
             self._uss[out[rank].pid] = read_uss(out[rank].pid)
             self._uss_cost_s += time.thread_time() - began

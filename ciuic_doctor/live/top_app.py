@@ -93,6 +93,8 @@ def run_interactive(job: LiveJob, *, interval_s: float, sort: str = "status") ->
 
     console = Console()
     stacks: StackView | None = None
+    job.update()  # rates need two readings: the first screen shows them after a short baseline
+    time.sleep(min(0.5, interval_s))
     frame: Frame = job.update()
     next_sample = time.monotonic() + interval_s
 

@@ -22,11 +22,16 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ciuic_doctor.live.verdicts import MIN_PACE_STEPS
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "ciuic_doctor"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]  # torchrun, as the venv may lack the script
+
+
+SLOW_MS = 300  # rank 1 sleeps this long before every forward: a straggler by its time before backward
 
 
 def wait_for(what: str, check, timeout_s: float = 120.0, every_s: float = 0.2):
@@ -65,11 +70,12 @@ def rank_pids(agent: int) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """torchrun --nproc-per-node 2 -m ciuic_doctor job: the embedded DeepSeek-V3 job, watched by itself."""
+    """torchrun --nproc-per-node 2 -m ciuic_doctor job: the embedded DeepSeek-V3 job, watched by itself,
+    rank 1 made slow before its forward (--inject slow-rank)."""
     run = tmp_path_factory.mktemp("live") / "run"
     log = (run.parent / "job.log").open("w")
     command = [*TORCHRUN, "--nproc-per-node", "2", "-m", "ciuic_doctor", "job",
-               "--steps", "100000", "--out", str(run)]  # fmt: skip
+               "--steps", "100000", "--inject", f"slow-rank=1:{SLOW_MS}", "--out", str(run)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
@@ -123,6 +129,11 @@ def rank_line(text: str, rank: int, pid: int) -> list[str]:
 
 
 def test_top_once_shows_both_ranks_with_pids_and_live_figures(job) -> None:
+    enough = MIN_PACE_STEPS + 2  # the straggler verdict needs this many steps per rank in the window
+    wait_for(
+        f"{enough} steps per rank",
+        lambda: all(lines_in(job["run"] / f"steps.rank{r}.jsonl") >= enough for r in (0, 1)),
+    )
     text = top_once("--pid", str(job["agent"]), "--interval", "0.5")
     assert "world size 2" in text
     assert "ranks here 2" in text
@@ -136,7 +147,7 @@ def test_top_once_shows_both_ranks_with_pids_and_live_figures(job) -> None:
         assert cells["RSS"].endswith(("M", "G"))
         assert int(cells["STEP"]) >= 3
         assert float(cells["STEP/S"]) > 0
-        assert cells["STATUS"] == "ok"
+        assert cells["STATUS"] == ("straggler" if rank == 1 else "ok"), text
     # a rank's own PID finds the same job; so does the run directory being written
     by_rank = top_once("--pid", str(job["ranks"][1]), "--interval", "0.2")
     by_run = top_once(str(job["run"]), "--interval", "0.2")
@@ -226,6 +237,12 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
         assert {s["metric"]["job"] for s in series} == {"livetest"}
         assert {s["metric"]["local_rank"] for s in series} == {"0", "1"}
         assert not any("pid" in key or "step" in key for s in series for key in s["metric"])
+        stragglers = wait_for(
+            "the straggler gauge",
+            lambda: _prometheus_query(prom_port, "ciuic_rank_straggler == 1"),
+            timeout_s=60,
+        )
+        assert [s["metric"]["rank"] for s in stragglers] == ["1"]
         with stopped(job["ranks"][1]):
             alerts = wait_for(
                 "the stalled-rank alert firing",

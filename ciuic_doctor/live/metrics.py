@@ -138,18 +138,18 @@ class Sampled:
         families.append(cost)
         if frame is None:
             return families
-        from ciuic_doctor.live.render import visible_rows
-
-        rows, omitted = visible_rows(frame, "status", self.config.max_ranks + 1)
-        rows = frame.rows if not omitted else rows[: self.config.max_ranks]
+        # past --max-ranks, the ranks needing attention keep their series first, then the lowest ranks
+        rows = sorted(frame.rows, key=lambda r: (r.verdict.severity, r.rank))[: self.config.max_ranks]
         omitted_gauge = GaugeMetricFamily(
             "ciuic_ranks_omitted", "ranks without per-rank series (past --max-ranks)", labels=["job", "host"]
         )
         world = GaugeMetricFamily("ciuic_job_world_size", "WORLD_SIZE of the job", labels=["job"])
         world.add_metric([self.config.job], frame.world_size or len(frame.rows))
         families.append(world)
+        kept = {id(r) for r in rows}
         for host in frame.hosts or [self.live.host]:
-            omitted_gauge.add_metric([self.config.job, host], len(frame.rows) - len(rows))
+            left_out = sum(1 for r in frame.rows if r.host == host and id(r) not in kept)
+            omitted_gauge.add_metric([self.config.job, host], left_out)
         families.append(omitted_gauge)
         for name, kind, help_text, value_of in RANK_METRICS:
             family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily

@@ -10,7 +10,7 @@ CUDA_VISIBLE_DEVICES and LOCAL_RANK). Per rank: CPU %, RSS, USS, threads, I/O ra
 utilisation / memory / power; when the job runs under `ciuic-doctor watch`, also step, steps/s, seconds
 since the last step (AGE), step time, time before backward, loss, grad norm, loss scale, skipped steps in
 the window and tokens/s. STATUS is the live verdict: STALLED (stopped, or no step for 20 median steps and
-30 s), waiting (blocked on a stalled rank), straggler (pace >= 10 %% behind the typical rank), overflows
+30 s), waiting (blocked on a stalled rank), straggler (pace >= 10 % behind the typical rank), overflows
 (>= 5 fp16 skips in 100 steps), mem-climb (RSS rising steadily), DOWN (exited).
 
 Keys: s sort (status, rank, step, step_time, cpu, rss), p stacks of the worst ranks (py-spy, on demand

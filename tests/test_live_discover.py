@@ -164,3 +164,41 @@ def test_watch_metrics_port_serves_the_watched_script_and_ends_with_it(tmp_path:
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     wait_for("the exporter to end with the job", lambda: _metrics(port) == "", timeout_s=30)
+
+
+ALLREDUCE_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    open(sys.argv[1] + os.environ["RANK"], "w").close()
+    while True:
+        dist.all_reduce(torch.ones(4))
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_agents_of_one_job_on_a_host_are_joined_by_their_run_id(tmp_path: Path) -> None:
+    from tests.test_live_job import TORCHRUN, free_port
+
+    script, ready, port = tmp_path / "allreduce.py", str(tmp_path / "ready."), free_port()
+    script.write_text(ALLREDUCE_SCRIPT)
+    command = [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-agents",
+               str(script), ready]  # fmt: skip
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    agents = [subprocess.Popen(command, start_new_session=True, **quiet) for _ in range(2)]
+    try:
+        wait_for("both ranks in the collective", lambda: all(os.path.exists(ready + r) for r in "01"))
+        text = top_once("--pid", str(agents[0].pid), "--interval", "0.3")
+        assert "world size 2" in text, text
+        assert "ranks here 2" in text, text
+        ranks = {line.split()[0] for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])}
+        assert ranks == {"0", "1"}, text
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()

@@ -133,6 +133,12 @@ class Discovery:
     def refresh(self) -> JobLayout:
         if self.run_dir is not None and not self.alive():
             self._roots_from_run_dir()
+        self._walk()
+        if self._join_run_ids():  # another agent of the same job: its ranks belong in this layout now
+            self._walk()
+        return self._layout()
+
+    def _walk(self) -> None:
         procs: dict[int, psutil.Process] = {}
         me = os.getpid()
         for root in self.roots:
@@ -152,11 +158,11 @@ class Discovery:
                         seen.agent = self._agent_of(proc)  # named once: psutil's parents() is dear
             if seen is not None and seen.role == "rank" and seen.run_dir is None:
                 seen.run_dir = watched_file_rank(proc.pid)[1]  # watch opens it a moment after start
-        self._join_run_ids()
-        return self._layout()
 
-    def _join_run_ids(self) -> None:
-        """Other agents of the same torchrun job on this host (several --nnodes on one machine)."""
+    def _join_run_ids(self) -> bool:
+        """Other agents of the same torchrun job on this host (several --nnodes on one machine); True
+        when one was added. Each run id is looked for once (a scan reads every process's environ)."""
+        added = False
         ids = set()
         for seen in self._seen.values():
             if seen.role == "rank":
@@ -172,6 +178,8 @@ class Discovery:
                     if root.pid not in known:
                         self.roots.append(root)
                         known.add(root.pid)
+                        added = True
+        return added
 
     def _parent_seen(self, proc: psutil.Process) -> _Seen | None:
         with contextlib.suppress(psutil.Error):

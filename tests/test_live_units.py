@@ -270,3 +270,39 @@ def test_environ_reading_keeps_only_the_rank_keys() -> None:
         "TORCHELASTIC_RUN_ID",
         "CUDA_VISIBLE_DEVICES",
     }
+
+
+def _exported_names() -> set[str]:
+    from ciuic_doctor.live.metrics import GPU_METRICS, RANK_METRICS
+
+    return {m[0] for m in RANK_METRICS} | {m[0] for m in GPU_METRICS} | {"ciuic_ranks_omitted"}
+
+
+def test_the_dashboard_and_the_alert_rules_name_only_series_the_exporter_serves() -> None:
+    import re
+
+    repo = Path(__file__).resolve().parents[1]
+    dashboard = json.loads((repo / "deploy/grafana/ciuic-doctor-ranks.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = (repo / "deploy/prometheus/ciuic-alerts.yml").read_text()
+    named = set(re.findall(r"ciuic_\w+", " ".join(exprs) + rules))
+    assert named
+    assert named <= _exported_names(), named - _exported_names()
+    assert {"CiuicRankStalled", "CiuicRankStraggler", "CiuicOverflowStorm"} <= set(
+        re.findall(r"alert: (\w+)", rules)
+    )
+
+
+def test_promtool_accepts_the_rules_and_the_scrape_config() -> None:
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip(
+            "Debian's prometheus (promtool) is not installed (scripts/ensure-test-tools.sh installs it)"
+        )
+    deploy = Path(__file__).resolve().parents[1] / "deploy/prometheus"
+    for args in (["check", "rules", "ciuic-alerts.yml"], ["check", "config", "prometheus.yml"]):
+        done = subprocess.run([promtool, *args], cwd=deploy, capture_output=True, text=True, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr

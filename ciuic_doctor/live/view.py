@@ -93,15 +93,16 @@ class LiveJob:
     def update(self) -> Frame:
         started = time.monotonic()
         if self.layout is None or started - self._discovered_at >= self._rediscover_s:
-            self.layout = self.discovery.refresh()
+            fresh = self.discovery.refresh()
+            if self.layout is not None:  # an exited rank stays, shown DOWN, until a process takes its rank
+                for rank, proc in self.layout.ranks.items():
+                    fresh.ranks.setdefault(rank, proc)
+                fresh.ranks = dict(sorted(fresh.ranks.items()))
+            self.layout = fresh
             self._discovered_at = started
         layout = self.layout
         now = time.time()
         samples = self.sampler.sample(layout)
-        if any(not s.up for s in samples.values()) and started - self._discovered_at > 0.5:
-            self.layout = layout = self.discovery.refresh()  # a rank exited (or restarted): look again
-            self._discovered_at = started
-            samples = {**samples, **{r: s for r, s in self.sampler.sample(layout).items() if s.up}}
         self.memory.add(now, samples)
         windows = self._windows(layout)
         figures = {rank: windows[rank].figures(now) if rank in windows else {} for rank in layout.ranks}

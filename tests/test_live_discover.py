@@ -202,3 +202,39 @@ def test_two_agents_of_one_job_on_a_host_are_joined_by_their_run_id(tmp_path: Pa
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+
+
+TWO_RANKS = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    loop = "import time\\nwhile True: time.sleep(0.1)"
+    ranks = [subprocess.Popen([sys.executable, "-c", loop],
+                              env={**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})
+             for r in range(2)]
+    print(" ".join(str(p.pid) for p in ranks), flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def test_a_rank_that_dies_stays_in_view_as_down(tmp_path: Path) -> None:
+    from ciuic_doctor.live.view import LiveJob
+
+    launcher = subprocess.Popen([sys.executable, "-c", TWO_RANKS], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in launcher.stdout.readline().split()]
+    try:
+        live = LiveJob(pid=launcher.pid, rediscover_s=0.0)  # walks the tree at every update
+        wait_for("both ranks", lambda: len(live.update().rows) == 2)
+        os.kill(pids[1], signal.SIGKILL)
+        rows = wait_for(
+            "rank 1 down",
+            lambda: (r := {x.rank: x for x in live.update().rows})[1].verdict.status == "DOWN" and r,
+        )
+        assert rows[0].verdict.status == "ok"
+        assert not rows[1].sample.up
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

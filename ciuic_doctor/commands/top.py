@@ -3,6 +3,7 @@
     ciuic-doctor top --pid PID        PID: the torchrun agent, any rank, or a script that mp.spawn'ed ranks
     ciuic-doctor top RUN              the job writing the watched run directory RUN
     ciuic-doctor top --pid PID --once     one frame as text (for scripts and logs), then exit
+    ciuic-doctor top --pid PID > log      not a terminal: a text frame every interval until the job ends
 
 Every rank is found from the process tree and /proc/<pid>/environ (RANK, LOCAL_RANK, WORLD_SIZE,
 GROUP_RANK, TORCHELASTIC_RUN_ID), its DataLoader workers below it, its GPU from NVML by PID (else
@@ -40,7 +41,11 @@ def add_target(parser: argparse.ArgumentParser, *, run_positional: bool) -> None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target(parser, run_positional=True)
-    parser.add_argument("--once", action="store_true", help="print one frame as text and exit")
+    parser.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame as text and exit (piped output: a frame per interval)",
+    )
     parser.add_argument(
         "--sort", choices=("status", "rank", "step", "step_time", "cpu", "rss"), default="status",
         help="row order (status: stalled and slow ranks first)",
@@ -87,4 +92,14 @@ def run(args: argparse.Namespace) -> int:
         rows = args.rows or max(1, len(frame.rows))
         print(as_text(frame, sort=args.sort, max_rows=rows), end="")
         return 0
+    import sys
+
+    if not sys.stdout.isatty():  # piped or redirected: a text frame every interval, as `top -b` does
+        while True:
+            began = time.monotonic()
+            frame = job.update()
+            print(as_text(frame, sort=args.sort, max_rows=args.rows or max(1, len(frame.rows))), flush=True)
+            if not frame.alive:
+                return 0
+            time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
     return run_interactive(job, interval_s=args.interval, sort=args.sort)

@@ -306,3 +306,40 @@ def test_promtool_accepts_the_rules_and_the_scrape_config() -> None:
     for args in (["check", "rules", "ciuic-alerts.yml"], ["check", "config", "prometheus.yml"]):
         done = subprocess.run([promtool, *args], cwd=deploy, capture_output=True, text=True, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_rank_gets_the_gpu_nvml_lists_its_pid_on_and_the_endpoint_labels_it() -> None:
+    """NVML by PID wins over CUDA_VISIBLE_DEVICES; the device's figures land on that rank's line and on
+    ciuic_gpu_* series labelled gpu="1" (a constructed NVML: no GPU on this machine)."""
+    import subprocess
+    import sys
+
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ciuic_doctor.live.metrics import ExportConfig, Sampled
+    from ciuic_doctor.live.view import LiveJob
+    from ciuic_doctor.nvml import ProcessGpuMemory
+
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    try:
+        nvml = Nvml(lib=_FakePynvml(), handles=[0, 1])
+        nvml.process_memory = lambda: {
+            rank.pid: ProcessGpuMemory(pid=rank.pid, used_bytes=2**30, devices=[1])
+        }
+        live = LiveJob(pid=rank.pid, nvml=nvml)
+        row = live.update().rows[0]
+        assert row.gpu == "1"  # NVML's answer, not CUDA_VISIBLE_DEVICES[LOCAL_RANK] = 0
+        assert row.sample.gpus[0]["utilization_ratio"] == 0.03
+        assert "1:3%/1.0G/-W" in as_text(live.update())
+        sampled = Sampled(live, ExportConfig(job="g"))
+        sampled.sample_once()
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(sampled)
+        text = generate_latest(registry).decode()
+        assert 'ciuic_gpu_utilization_ratio{gpu="1",host=' in text
+        assert "ciuic_gpu_power_watts" not in text  # device 1 does not report power: no series, not a 0
+    finally:
+        rank.kill()
+        rank.wait()

@@ -258,6 +258,15 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
         assert {s["metric"]["job"] for s in series} == {"livetest"}
         assert {s["metric"]["local_rank"] for s in series} == {"0", "1"}
         assert not any("pid" in key or "step" in key for s in series for key in s["metric"])
+        storms = wait_for(  # overflows at steps 4..9 stay in the 100-step window for 60+ s at 0.6 s a step
+            "the overflow-storm alert firing",
+            lambda: _prometheus_query(
+                prom_port, 'ALERTS{alertname="CiuicOverflowStorm", alertstate="firing"}'
+            ),
+            timeout_s=60,
+            every_s=1,
+        )
+        assert sorted(a["metric"]["rank"] for a in storms) == ["0", "1"]
         stragglers = wait_for(
             "the straggler gauge",
             lambda: _prometheus_query(prom_port, "ciuic_rank_straggler == 1"),

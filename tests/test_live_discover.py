@@ -137,7 +137,6 @@ def _metrics(port: int) -> str:
 
 @pytest.mark.slow
 def test_watch_metrics_port_serves_the_watched_script_and_ends_with_it(tmp_path: Path) -> None:
-    pytest.importorskip("prometheus_client")
     from tests.test_live_job import free_port
 
     script, stop, port = tmp_path / "loop.py", tmp_path / "stop", free_port()

@@ -219,7 +219,6 @@ def _up(port: int) -> bool:
 
 
 def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job, tmp_path: Path) -> None:
-    pytest.importorskip("prometheus_client")
     server = shutil.which("prometheus")
     if server is None:
         pytest.skip("Debian's prometheus is not installed (scripts/ensure-test-tools.sh installs it as root)")

@@ -228,7 +228,6 @@ def test_strings_from_the_job_cannot_drive_the_terminal() -> None:
 
 
 def test_metrics_follow_prometheus_conventions_and_the_rank_cap() -> None:
-    pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
     from prometheus_client.registry import CollectorRegistry
 

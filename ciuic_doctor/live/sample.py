@@ -181,14 +181,14 @@ class Sampler:
             if sample.workers:
                 sample.workers_cpu_percent, sample.workers_rss_bytes = round(worker_cpu, 1), worker_rss
             out[rank] = sample
-        self._read_one_uss(layout, out, now)
+        self._read_uss(out, now)
         for pid in [p for p in self._prev if p not in live]:
             del self._prev[pid]
             self._uss.pop(pid, None)
         self.cpu_s += time.thread_time() - started
         return out
 
-    def _read_one_uss(self, layout: JobLayout, out: dict[int, RankSample], now: float) -> None:
+    def _read_uss(self, out: dict[int, RankSample], now: float) -> None:
         """USS of the ranks not read yet (within a one-off USS_START_S allowance, so the first frame has
         them), else of the next rank in turn, while the reads stay within the budget."""
         ranks = sorted(r for r, s in out.items() if s.up)

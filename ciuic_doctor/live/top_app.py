@@ -65,6 +65,7 @@ class StackView:
         self.rows = rows  # (rank, pid)
         self.result: list[str] = [f"reading stacks of rank(s) {', '.join(str(r) for r, _ in rows)} ..."]
         self.done = False
+        self.shown = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -129,5 +130,6 @@ def run_interactive(job: LiveJob, *, interval_s: float, sort: str = "status") ->
                 frame = job.update()
                 next_sample = time.monotonic() + interval_s
                 live.update(screen(), refresh=True)
-            elif stacks is not None and stacks.done:
+            elif stacks is not None and stacks.done and not stacks.shown:
+                stacks.shown = True  # the answer, drawn once (not every 0.2 s while it is on screen)
                 live.update(screen(), refresh=True)

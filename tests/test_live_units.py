@@ -66,6 +66,16 @@ def test_tail_never_follows_a_symlink_and_starts_near_the_end(tmp_path: Path, mo
     assert [r["step"] for r in tail.poll()[0].records][-1] == 1
 
 
+def test_tail_reads_at_most_the_cap_a_look_and_catches_up(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(streams, "MAX_READ_BYTES", 200)
+    (tmp_path / "steps.rank0.jsonl").write_text("".join(_line(s, loss=1.0) for s in range(1, 11)))
+    tail = StepsTail(tmp_path)
+    seen = [len(tail.poll()[0].records) for _ in range(6)]
+    assert seen[0] < 10  # a burst is not read in one look...
+    assert seen[-1] == 10  # ...but over several, every record, none twice
+    assert [r["step"] for r in tail.windows[0].records] == list(range(1, 11))
+
+
 def _window(rank: int, pre_backward_s: float, n: int = 30, skipped: set[int] | None = None) -> StepWindow:
     window = StepWindow(rank=rank)
     for step in range(1, n + 1):

@@ -82,6 +82,7 @@ class BenchConfig:
     root: int = 0
     out: str | None = None
     argv: list[str] = field(default_factory=list)
+    splits_from: str | None = None  # issue 27: a run's recorded MoE routing -> all_to_all split sizes
 
 
 class Bench:
@@ -353,7 +354,12 @@ class Bench:
 def run_bench(cfg: BenchConfig) -> int:
     """Run this rank's part. 0 when every row is right (and above the floor); ProbeFailed otherwise on the
     rank that says why; 1 on the ranks that leave the saying to it."""
-    bench = Bench(cfg)
+    if cfg.splits_from:  # issue 27: all_to_all with a job's recorded routing (probes/comm/splits_bench.py)
+        from ciuic_doctor.probes.comm.splits_bench import SplitsBench
+
+        bench: Bench = SplitsBench(cfg)
+    else:
+        bench = Bench(cfg)
     bench.start()
     try:
         bench.sweep()

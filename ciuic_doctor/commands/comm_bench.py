@@ -274,6 +274,10 @@ def _run_rank(args: argparse.Namespace) -> int:
         splits_from=args.splits_from,
     )
     try:
+        if args.splits_from:  # issue 27: all_to_all with a job's recorded routing
+            from ciuic_doctor.probes.comm.splits_bench import SplitsBench
+
+            return run_bench(cfg, SplitsBench)
         return run_bench(cfg)
     except ProbeFailed:
         if os.environ.get(PARENT_ENV):

@@ -351,15 +351,10 @@ class Bench:
             )
 
 
-def run_bench(cfg: BenchConfig) -> int:
+def run_bench(cfg: BenchConfig, bench_class: type[Bench] | None = None) -> int:
     """Run this rank's part. 0 when every row is right (and above the floor); ProbeFailed otherwise on the
     rank that says why; 1 on the ranks that leave the saying to it."""
-    if cfg.splits_from:  # issue 27: all_to_all with a job's recorded routing (probes/comm/splits_bench.py)
-        from ciuic_doctor.probes.comm.splits_bench import SplitsBench
-
-        bench: Bench = SplitsBench(cfg)
-    else:
-        bench = Bench(cfg)
+    bench = (bench_class or Bench)(cfg)  # issue 27: splits_bench.SplitsBench for --splits-from
     bench.start()
     try:
         bench.sweep()

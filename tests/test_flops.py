@@ -153,3 +153,22 @@ def test_mfu_is_not_run_on_cpu_without_a_peak_and_says_its_convention_with_one(t
     assert given.verdict == "pass"
     assert given.evidence["peak_source"] == "--peak-tflops"
     json.dumps(given.to_dict())  # findings.json must take it
+
+
+def test_goodput_leaves_out_start_up_skipped_steps_and_stalls():
+    from ciuic_doctor.analysis.throughput import goodput, goodput_finding
+
+    rows, t = [], 100.0
+    for step in range(1, 22):
+        step_s = {1: 5.0, 8: 1.1, 12: 0.1}.get(step, 0.1)  # warm-up, a 1 s stall (checkpoint), a skip
+        t += step_s
+        rows.append({"step": step, "t": t, "step_time_s": step_s, "skipped": step == 12})
+    good = goodput(rows, created=90.0)
+    assert good["startup_s"] == pytest.approx(15.0)  # created at 90, step 1 ended at 105
+    assert good["productive_s"] == pytest.approx(18 * 0.1 + 0.1)  # 19 kept steps after step 1, one capped
+    assert good["over_typical_s"] == pytest.approx(1.0)
+    assert good["skipped_s"] == pytest.approx(0.1)
+    assert good["goodput_after_startup"] == pytest.approx(1.9 / 3.0)
+    finding = goodput_finding({0: good})
+    assert finding.verdict == "warn"
+    assert "1.0 s in steps longer than the typical" in finding.summary

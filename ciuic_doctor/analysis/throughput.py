@@ -11,8 +11,9 @@
 - `goodput`: the share of wall-clock time spent on productive steps (Google's ML Productivity Goodput):
   from the run's start (meta.json created) to the last step record; a kept step's productive time is its
   step time up to the run's typical (median) step, so skipped steps (GradScaler), the excess of a stalled
-  or checkpointing step over the typical one, start-up, restarts (gaps between segments) and repeated
-  steps after a rollback are not productive. Judged per rank; the worst rank is the job's figure; warn
+  or checkpointing step over the typical one, start-up (up to the end of step 1, whose warm-up is no
+  training pace), restarts (gaps between segments) and repeated steps after a rollback are not
+  productive. Judged per rank; the worst rank is the job's figure; warn
   below GOODPUT_WARN of the time after start-up.
 
 Pure functions of records: no torch.
@@ -32,8 +33,9 @@ from ciuic_doctor.store import RunDir, as_float
 STREAMS = ("steps",)
 PROBE = "throughput"
 WARMUP_STEPS = 2
+GOODPUT_MIN_STEPS = 10  # fewer steps after start-up: one stall on a shared machine is 10 % of the run
 GOODPUT_WARN = 0.8  # after start-up, 20 % of the time unproductive is worth a look (stalls, skips, restarts)
-COLUMNS = ("rank", "step", "t", "step_time_s", "tokens", "skipped", "segment")
+COLUMNS = ("rank", "step", "t", "step_time_s", "tokens", "skipped", "segment", "optimizer")
 
 
 def _precision(meta: dict[str, Any]) -> str:
@@ -166,8 +168,11 @@ def mfu_finding(rates: dict[int, float], meta: dict[str, Any]) -> Finding:
 
 def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None:
     """One rank's goodput and where the rest of its time went (seconds)."""
-    rows = [r for r in rows if as_float(r.get("t")) is not None]
-    if len(rows) < 2:
+    first_optimizer = min((o for r in rows if isinstance(o := r.get("optimizer"), int | float)), default=None)
+    rows = [
+        r for r in rows if as_float(r.get("t")) is not None and r.get("optimizer") in (None, first_optimizer)
+    ]  # one record a step: the first optimizer's (a GAN's second optimizer steps in the same step)
+    if len(rows) < 3:
         return None
     rows.sort(key=lambda r: r["t"])
     times = [v for r in rows if (v := as_float(r.get("step_time_s"))) is not None and v > 0]
@@ -175,14 +180,15 @@ def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None
         return None
     typical = statistics.median(times)
     end = rows[-1]["t"]
-    first_time = as_float(rows[0].get("step_time_s")) or typical
-    first_start = rows[0]["t"] - first_time
-    start = min(first_start, float(created)) if isinstance(created, int | float) else first_start
-    kept: dict[tuple[int, int], float] = {}  # the last record of a step number counts (a rollback redoes it)
+    first_end = rows[0]["t"]  # step 1 (allocator, DataLoader and compile warm-up) counts as start-up
+    start = first_end - (as_float(rows[0].get("step_time_s")) or typical)
+    if isinstance(created, int | float) and created < start:
+        start = float(created)
+    kept: dict[int, float] = {}  # the last record of a step number counts (a rollback redoes it)
     skipped_s = stalled_s = 0.0
-    for r in rows:
+    for r in rows[1:]:
         step_s = as_float(r.get("step_time_s")) or 0.0
-        key = (0, r.get("step") or 0)
+        key = r.get("step") or 0
         if r.get("skipped") is True or (isinstance(r.get("skipped"), int) and r.get("skipped")):
             skipped_s += step_s
             kept.pop(key, None)
@@ -193,7 +199,7 @@ def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None
     if wall <= 0:
         return None
     productive = sum(kept.values())
-    startup = max(0.0, first_start - start)
+    startup = first_end - start
     return {
         "goodput": productive / wall,
         "goodput_after_startup": productive / max(wall - startup, 1e-9),
@@ -203,6 +209,7 @@ def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None
         "skipped_s": skipped_s,
         "over_typical_s": stalled_s,
         "typical_step_s": typical,
+        "steps": len(rows) - 1,
     }
 
 
@@ -213,7 +220,11 @@ def goodput_finding(good: dict[int, dict[str, float]]) -> Finding:
         )
     ranks = sorted(good, key=lambda r: good[r]["goodput_after_startup"])
     worst = good[ranks[0]]
-    verdict = "warn" if worst["goodput_after_startup"] < GOODPUT_WARN else "pass"
+    low = worst["goodput_after_startup"] < GOODPUT_WARN
+    verdict = "warn" if low and worst["steps"] >= GOODPUT_MIN_STEPS else "pass"
+    note = f"; below {GOODPUT_WARN:.0%} after start-up" if verdict == "warn" else ""
+    if low and verdict == "pass":
+        note = f"; {worst['steps']} steps after start-up are too few to judge (from {GOODPUT_MIN_STEPS})"
     return Finding(
         probe=PROBE,
         check="goodput",
@@ -222,8 +233,7 @@ def goodput_finding(good: dict[int, dict[str, float]]) -> Finding:
         f"({100 * worst['goodput_after_startup']:.0f} % after {worst['startup_s']:.1f} s start-up): "
         f"{worst['productive_s']:.1f} s productive of {worst['wall_s']:.1f} s; "
         f"{worst['over_typical_s']:.1f} s in steps longer than the typical {worst['typical_step_s']:.3f} s "
-        f"(stalls, checkpoints, data waits), {worst['skipped_s']:.1f} s in skipped steps"
-        + (f"; below {GOODPUT_WARN:.0%} after start-up" if verdict == "warn" else ""),
+        f"(stalls, checkpoints, data waits), {worst['skipped_s']:.1f} s in skipped steps" + note,
         evidence={"ranks": {str(r): v for r, v in good.items()}, "threshold": GOODPUT_WARN},
         where={"ranks": ranks[:8]},
     )

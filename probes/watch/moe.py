@@ -25,6 +25,7 @@ run, parameters) from rank 0.
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 from collections.abc import Callable
@@ -84,6 +85,7 @@ class MoeRecorder:
 
     def __post_init__(self) -> None:
         self._queue = PendingQueue(finish=self._write)
+        self._pid = os.getpid()
 
     # ---- discovery -------------------------------------------------------------------------
     def discover(self, module: torch.nn.Module, args: Any) -> None:
@@ -204,6 +206,8 @@ class MoeRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if os.getpid() != self._pid:  # a forked child (DataLoader worker): the parent writes these
+            return
         if self._queue is not None:
             self._queue.flush()
         if self._writer is not None:

@@ -108,6 +108,10 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "slowest_rank": OPT_INT,
         "slowest_host": OPT_STR,
         "rank_time_us": OPT_NUMBERS,
+        "splits": OPT_STR,  # issue 27: comm-bench --splits-from: "routed" (the job's routing) or "even"
+        "layer": OPT_INT,
+        "max_send_bytes": OPT_INT,
+        "max_recv_bytes": OPT_INT,
     },
     "memwatch": {
         **COMMON,
@@ -202,6 +206,18 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "explicit_workers": OPT_BOOL,
         "torch_threads": OPT_INT,
     },
+    # issue 27: watch's MoE router hook, one record per router per sampled step (probes/watch/moe.py)
+    "moe": {
+        **COMMON,
+        "step": INT,
+        "layer": INT,
+        "name": OPT_STR,
+        "experts": OPT_INT,
+        "top_k": OPT_INT,
+        "tokens": OPT_INT,  # token rows the router saw in the step (all micro-batches)
+        "calls": OPT_INT,
+        "counts": OPT_INTS,  # tokens each expert received: a fixed-size list, one per expert
+    },
     "checkpoint": {
         **COMMON,
         "kind": OPT_STR,
@@ -243,6 +259,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "steps": ("step",),
     "comm": ("collective",),
     "memwatch": ("pid", "role"),
+    "moe": ("step", "layer", "counts"),
 }
 
 
@@ -332,6 +349,8 @@ META: dict[str, frozenset[str]] = {
     "job": DICT,
     "source": frozenset({"str", "dict", "null"}),
     "observed": OPT_DICT,
+    "model": OPT_DICT,  # issue 27: the watched model's class, config fields, seq_len (probes/watch/moe.py)
+    "mfu": OPT_DICT,  # issue 27: the peak a user gave (analyze --peak-tflops)
 }
 # One level down, where the readers go: probes.<name> and env.cpu / env.world / env.env are dicts,
 # env.devices a list of dicts.

@@ -36,6 +36,8 @@ def attach(
     snapshot_on_leak: bool = False,
     agree_timeout_s: float = 60.0,
     follow_children: bool = True,
+    moe: bool = True,
+    moe_every: int = 10,
     child: bool = False,
     probe: str = "watch",
     probe_fields: dict[str, Any] | None = None,
@@ -68,6 +70,8 @@ def attach(
         snapshot_on_leak=snapshot_on_leak,
         agree_timeout_s=agree_timeout_s,
         follow_children=follow_children,
+        moe=moe,
+        moe_every=moe_every,
     )
     return probe_watch.attach(run=run, rank=rank, config=config)
 

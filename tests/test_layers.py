@@ -37,6 +37,7 @@ FORBIDDEN = {
         "jobs",
     },
 }
+FORBIDDEN["mfu"] = FORBIDDEN["measures"]  # FLOPs and peaks: pure arithmetic on the floor (issue 27)
 
 
 def _modules() -> dict[str, Path]:

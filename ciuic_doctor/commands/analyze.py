@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ciuic_doctor.cli_args import positive_float
+
 NAME = "analyze"
 HELP = "judge every stream in a run directory; write RUN/findings.json and print the findings"
 ORDER = 60
@@ -16,6 +18,13 @@ ORDER = 60
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="a run directory written by any probe")
     parser.add_argument("--json", action="store_true", help="print findings.json instead of a table")
+    parser.add_argument(  # issue 27
+        "--peak-tflops",
+        type=positive_float,
+        metavar="T",
+        help="the accelerator's dense peak TFLOP/s for MFU (a CPU run, a device the table lacks); "
+        "kept in RUN/meta.json",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.store import RunDir
 
     run_dir = RunDir.open(args.run)
+    if args.peak_tflops:
+        run_dir.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "analyze --peak-tflops"})
     findings = run_all(run_dir)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))

@@ -69,6 +69,22 @@ def _parse(args: argparse.Namespace) -> None:
         raise UserError(f"--warmup must not be negative, got {args.warmup}")
     if args.root < 0:
         raise UserError(f"--root must be a rank (0 or more), got {args.root}")
+    if args.splits_from:  # refuse a run without routing before any rank starts
+        from pathlib import Path
+
+        from ciuic_doctor.store import RunDir
+
+        path = Path(args.splits_from)
+        try:
+            run = RunDir.open(path)
+        except UserError as exc:
+            raise UserError(f"--splits-from {exc}") from None
+        if not run.stream_files("moe"):
+            raise UserError(
+                f"--splits-from {path}: no MoE routing recorded there (moe.rank<R>.jsonl); record it with "
+                "ciuic-doctor job, or watch on an MoE model"
+            )
+        args.splits_from = str(path.resolve())
 
 
 def check_fits(max_bytes: int, world: int, local_ranks: int) -> None:
@@ -130,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default ring,tree on NCCL; 'default' = NCCL's own choice; gloo has one algorithm)",
     )
     what.add_argument("--root", type=non_negative_int, default=0, help="broadcast root rank (default 0)")
+    what.add_argument(  # issue 27
+        "--splits-from",
+        metavar="RUN",
+        help="instead of the size sweep: all_to_all with the split sizes a job's recorded MoE routing "
+        "produced (RUN/moe.rank<R>.jsonl from watch or job; experts placed on ranks as expert "
+        "parallelism does), beside equal splits of the same volume, per layer",
+    )
     timing = parser.add_argument_group("timing")
     timing.add_argument(
         "-w",
@@ -207,6 +230,8 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
         argv.append(f"--iters={args.iters}")
     if args.min_busbw is not None:
         argv.append(f"--min-busbw={args.min_busbw!r}")
+    if args.splits_from:
+        argv.append(f"--splits-from={args.splits_from}")
     return argv
 
 
@@ -246,8 +271,13 @@ def _run_rank(args: argparse.Namespace) -> int:
         root=args.root,
         out=args.out,
         argv=sys.argv[1:],
+        splits_from=args.splits_from,
     )
     try:
+        if args.splits_from:  # issue 27: all_to_all with a job's recorded routing
+            from ciuic_doctor.probes.comm.splits_bench import SplitsBench
+
+            return run_bench(cfg, SplitsBench)
         return run_bench(cfg)
     except ProbeFailed:
         if os.environ.get(PARENT_ENV):

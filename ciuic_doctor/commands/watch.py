@@ -100,6 +100,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
         "started by local rank 0 in a process of its own; it ends with the job)",
     )
+    parser.add_argument(  # issue 27: probes/watch/moe.py
+        "--moe-every",
+        type=positive_int,
+        default=10,
+        metavar="N",
+        help="record MoE expert load (tokens per expert per router) every N steps, and at step 1 "
+        "(RUN/moe.rank<R>.jsonl; default 10)",
+    )
+    parser.add_argument(
+        "--no-moe", action="store_true", help="no MoE expert-load or token counting hooks on the model"
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        metavar="T",
+        help="the accelerator's dense peak TFLOP/s for MFU, when the built-in table does not know it (a CPU "
+        "run, a new device); kept in meta.json for analyze",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -138,8 +156,12 @@ def run(args: argparse.Namespace) -> int:
         snapshot_on_leak=args.snapshot_on_leak,
         agree_timeout_s=args.agree_timeout,
         follow_children=not args.no_follow,
+        moe=not args.no_moe,
+        moe_every=args.moe_every,
         probe_fields={"argv": argv},
     )
+    if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
+        session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
     started = time.time()
     if args.metrics_port and not args.child:  # issue 26: one exporter per node, outside this process
         from ciuic_doctor.live.exporter import should_start, start_exporter

@@ -10,12 +10,18 @@ GradScaler, real allocator) is how the tests prove they do, without fakes.
     slow-rank=<rank>:<ms>        that rank sleeps <ms> before every forward (a slow input pipeline/host)
     desync=<step>                rank 1 nudges its weights at <step>, after DDP's initial broadcast, so the
                                  replicas silently differ from then on (the cross-rank checksum finds it)
+    moe-bias=<layer>:<e>[+<e>...][:<bias>]
+                                 add <bias> (default 1.0) to the routing scores of experts <e> in decoder
+                                 layer <layer>'s router (DeepSeek-V3's e_score_correction_bias, the knob its
+                                 load balancing turns): those experts take every token's top-k slots, the
+                                 rest of their groups' share and none of the others' (expert_imbalance names
+                                 them; experts never chosen show as dead_experts)
 
 Pass several as repeated `--inject` options or comma-separated: `--inject leak=4,spike=10:20`.
 
->>> inj = parse_injections(["leak=4", "spike=10:20,overflow=5:2"])
->>> inj.leak_mb_per_step, inj.lr_factor(10), sorted(inj.overflow_steps)
-(4.0, 20.0, [5, 6])
+>>> inj = parse_injections(["leak=4", "spike=10:20,overflow=5:2", "moe-bias=2:3+7"])
+>>> inj.leak_mb_per_step, inj.lr_factor(10), sorted(inj.overflow_steps), inj.moe_bias
+(4.0, 20.0, [5, 6], {2: ([3, 7], 1.0)})
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 from ciuic_doctor.errors import UserError
 
-KINDS = ("leak", "spike", "overflow", "slow-rank", "desync")
+KINDS = ("leak", "spike", "overflow", "slow-rank", "desync", "moe-bias")
 DESYNC_RANK = 1  # the rank whose weights drift; rank 0 is the reference DDP broadcasts from
 DESYNC_DELTA = 1e-3  # added to one weight tensor: invisible in the loss, plain in a checksum
 
@@ -38,12 +44,18 @@ class Injections:
     overflow_steps: set[int] = field(default_factory=set)
     slow_ranks: dict[int, float] = field(default_factory=dict)  # rank -> ms per step
     desync_step: int | None = None
+    moe_bias: dict[int, tuple[list[int], float]] = field(default_factory=dict)  # layer -> (experts, bias)
     _leaked: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def active(self) -> bool:
         return bool(
-            self.leak_mb_per_step or self.spikes or self.overflow_steps or self.slow_ranks or self.desync_step
+            self.leak_mb_per_step
+            or self.spikes
+            or self.overflow_steps
+            or self.slow_ranks
+            or self.desync_step
+            or self.moe_bias
         )
 
     def describe(self) -> dict[str, Any]:
@@ -54,6 +66,7 @@ class Injections:
             "overflow_steps": sorted(self.overflow_steps) or None,
             "slow_ranks": {str(k): v for k, v in self.slow_ranks.items()} or None,
             "desync_step": self.desync_step,
+            "moe_bias": {str(k): {"experts": e, "bias": b} for k, (e, b) in self.moe_bias.items()} or None,
         }
 
     def check(self, *, world: int, precision: str) -> None:
@@ -67,6 +80,32 @@ class Injections:
         for rank in self.slow_ranks:
             if rank >= world:
                 raise UserError(f"--inject slow-rank={rank}: no such rank in a world of {world}")
+
+    def apply_to_model(self, model: Any) -> None:
+        """moe-bias: raise the planted experts' routing scores in the named layers' routers (every rank
+        alike; the bias is a buffer DDP never broadcasts). UserError when the layer has no such router."""
+        import torch
+
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        for layer, (experts, bias) in self.moe_bias.items():
+            gate = (
+                getattr(getattr(layers[layer], "mlp", None), "gate", None)
+                if layers and layer < len(layers)
+                else None
+            )
+            correction = getattr(gate, "e_score_correction_bias", None)
+            if not isinstance(correction, torch.Tensor):
+                raise UserError(
+                    f"--inject moe-bias={layer}:...: decoder layer {layer} has no DeepSeek-V3 MoE router "
+                    f"(the model's MoE layers: first_k_dense_replace .. num_hidden_layers - 1)"
+                )
+            for expert in experts:
+                if expert >= correction.numel():
+                    raise UserError(
+                        f"--inject moe-bias: no expert {expert} in layer {layer} ({correction.numel()})"
+                    )
+            with torch.no_grad():
+                correction[experts] += bias
 
     # ---- effects, called by the training loop -------------------------------------------------
     def lr_factor(self, step: int) -> float:
@@ -144,6 +183,15 @@ def parse_injections(items: list[str] | None) -> Injections:
             if not tail:
                 raise UserError(f"--inject {item}: expected slow-rank=<rank>:<ms>")
             inj.slow_ranks[_whole(head, item, name="rank", first=0)] = _number(tail, item)
+        elif kind == "moe-bias":
+            experts, _, bias = tail.partition(":")
+            if not experts:
+                raise UserError(f"--inject {item}: expected moe-bias=<layer>:<expert>[+<expert>...][:<bias>]")
+            chosen = [_whole(e, item, name="expert", first=0) for e in experts.split("+")]
+            inj.moe_bias[_whole(head, item, name="layer", first=0)] = (
+                chosen,
+                _number(bias, item) if bias else 1.0,
+            )
         else:
             inj.desync_step = _whole(value, item)
     return inj

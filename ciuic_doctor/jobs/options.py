@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ciuic_doctor.cli_args import add_out, positive_int
+from ciuic_doctor.cli_args import add_out, positive_float, positive_int
 from ciuic_doctor.jobs.inject import Injections
 
 
@@ -40,6 +40,8 @@ class JobOptions:
     resume: Path | None = None
     watch: bool = True
     out: str | None = None
+    moe_every: int = 10  # issue 27: steps between MoE expert-load samples
+    peak_tflops: float | None = None  # issue 27: the device's peak for MFU, when the table lacks it
 
 
 def median_step_s(times: list[float]) -> float | None:
@@ -97,6 +99,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-watch", action="store_true", help="do not record steps (for measuring watch's own overhead)"
     )
+    parser.add_argument(  # issue 27
+        "--moe-every",
+        type=positive_int,
+        default=10,
+        metavar="N",
+        help="record the MoE routers' expert load every N steps, and at step 1 (default 10)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=positive_float,
+        metavar="T",
+        help="the device's dense peak TFLOP/s for MFU when the built-in table lacks it (a CPU run)",
+    )
 
 
 def parse_set_value(text: str) -> Any:
@@ -141,6 +156,8 @@ def resolve(args: argparse.Namespace) -> tuple[Any, Any]:
         resume=Path(args.resume) if args.resume else None,
         watch=not args.no_watch,
         out=args.out,
+        moe_every=args.moe_every,
+        peak_tflops=args.peak_tflops,
     )
     return spec, options
 
@@ -159,4 +176,7 @@ def child_argv(args: argparse.Namespace, run_path: Path) -> list[str]:
         argv += ["--inject", item]
     if args.no_watch:
         argv.append("--no-watch")
+    argv += ["--moe-every", str(args.moe_every)]
+    if args.peak_tflops:
+        argv += ["--peak-tflops", repr(args.peak_tflops)]
     return argv

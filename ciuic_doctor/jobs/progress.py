@@ -83,7 +83,10 @@ class JobProgress:
         if self.options.watch:
             # Attached before the model is wrapped in DDP: the weight checksum needs to see the wrapper.
             self.session = watch.attach(
-                run=self.run, rank=self.world.rank, probe_fields={"script": "ciuic-doctor job"}
+                run=self.run,
+                rank=self.world.rank,
+                moe_every=self.options.moe_every,
+                probe_fields={"script": "ciuic-doctor job"},
             )
             if self.lead:
                 self.session.add_listener(self._on_record)
@@ -112,6 +115,10 @@ class JobProgress:
         }
         if self.lead and self.run is not None:
             self.run.update_meta(spec=self.spec.to_dict(), spec_source=self.spec.source, job_run=info)
+            if self.options.peak_tflops:  # issue 27: the peak MFU is judged against
+                self.run.update_meta(
+                    mfu={"peak_tflops": self.options.peak_tflops, "source": "job --peak-tflops"}
+                )
             self.run.record_probe("job", status="running")
             self.run.record_environment()  # watch has captured it already; --no-watch has not
         self._print(

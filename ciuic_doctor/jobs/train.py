@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ciuic_doctor.errors import UserError
+from ciuic_doctor.jobs.balance import LoadBalancer
 from ciuic_doctor.jobs.data import batches_per_epoch, make_loader
 from ciuic_doctor.jobs.inject import Injections
 from ciuic_doctor.jobs.model import build_model, parameter_count
@@ -119,6 +120,8 @@ class Trainer:
         self.lr, self.global_batch = effective_lr(spec, world.world)
 
         self.module = build_model(spec, world.device)
+        injections.apply_to_model(self.module)  # moe-bias plants an unbalanced router (issue 27)
+        self.balancer = LoadBalancer(self.module)  # DeepSeek-V3's bias update: a balanced default
         self.model: torch.nn.Module = self.module
         if world.backend is not None:
             from torch.nn.parallel import DistributedDataParallel
@@ -206,6 +209,7 @@ class Trainer:
                 group["lr"] *= factor
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self.balancer.step()
         for group, lr in zip(self.optimizer.param_groups, saved, strict=True):
             group["lr"] = lr
         with warnings.catch_warnings():

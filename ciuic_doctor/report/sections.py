@@ -14,6 +14,7 @@ from ciuic_doctor.findings import Finding, sort_findings
 from ciuic_doctor.report.blocks import Section, Table, _cell, _size_cell, bytes_cell, generic_content
 from ciuic_doctor.report.checkpoint_section import checkpoint_content
 from ciuic_doctor.report.hang_section import hang_sections
+from ciuic_doctor.report.moe_section import model_sections, splits_table
 from ciuic_doctor.report.plots import busbw_plot, loader_configs, loader_plot, memwatch_plot, stability_plot
 from ciuic_doctor.report.rank_view import load_steps
 from ciuic_doctor.report.steps_section import job_content, step_memory_svg
@@ -108,6 +109,8 @@ def not_run_reason(meta: dict[str, Any], section: Section) -> str:
 
 
 def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
+    routed = [r for r in records if r.get("splits")]  # issue 27: comm-bench --splits-from
+    records = [r for r in records if not r.get("splits")]
     svg = busbw_plot(records)
     if svg:
         section.plots.append(svg)
@@ -153,6 +156,8 @@ def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
                 numeric=[4, 5, 6, 7, 8, 9, 10],
             )
         )
+    if table := splits_table(routed):
+        section.tables.append(table)
 
 
 def memory_content(
@@ -300,4 +305,4 @@ def build_sections(
             checkpoint_content(section, streams["checkpoint"], section.findings)
         else:
             generic_content(section, streams.get(section.streams[0], []))
-    return sections + hang_sections(findings)  # issue 16
+    return sections + model_sections(findings) + hang_sections(findings)  # issues 27, 16

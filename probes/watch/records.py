@@ -23,7 +23,7 @@ RECORD_KEYS = (
     "rank", "step", "t", "step_time_s", "pre_backward_s", "loss", "lr", "grad_norm", "grad_norm_source",
     "clip_max_norm", "loss_scale", "skipped", "backward_calls", "mem_allocated", "mem_reserved",
     "mem_active_peak", "alloc_retries", "rss", "uss", "weights_checksum", "desync_ranks",
-    "optimizer", "optimizer_class", "loss_scale_next", "segment",
+    "optimizer", "optimizer_class", "loss_scale_next", "segment", "tokens",
 )  # fmt: skip
 
 
@@ -77,6 +77,8 @@ class StepRecords:
             "optimizer_class": state.name,
             "segment": self.segment,
         }  # fmt: skip
+        for hook in self._step_hooks:  # issue 27: tokens the model saw this step
+            record.update(self._guarded(hook, step_no, state is self._primary) or {})
         if gathered is not None:
             lazy["checksums"], record["_checksum_ranks"], record["_checksum_me"] = gathered
         self._queue.push(start_copy(record, lazy))

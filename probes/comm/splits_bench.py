@@ -1,0 +1,185 @@
+"""The ranks' side of `comm-bench --splits-from RUN`: time all_to_all_single with the recorded routing's
+split sizes and with equal splits of the same volume (plans from probes/comm/splits.py), layer by layer,
+even and routed alternating, and write one comm record per (layer, splits) from rank 0.
+
+Records: collective "all_to_all", `splits` "routed" | "even", `layer`, `bytes` (the mean bytes a rank
+sends), `max_send_bytes` / `max_recv_bytes` (the busiest rank), time_us (mean over ranks of loop time /
+iters, as nccl-tests), time_us_max, p50 / p99 over iterations of the slowest rank, algbw / busbw on the
+mean bytes, #wrong.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ciuic_doctor.probes.comm.bench import Bench
+from ciuic_doctor.probes.comm.collectives import DTYPES, elem_bytes
+from ciuic_doctor.probes.comm.measure import Marks, RankResult, _agree_on_iters, percentile, sync
+from ciuic_doctor.probes.comm.splits import SplitPlan, plan_from_run
+
+ROUNDS = 4  # timed loops per splits mode and layer (after one warm-up round), even and routed alternating
+
+
+class SplitsBench(Bench):
+    """comm-bench's rank, sweeping recorded MoE dispatch splits instead of message sizes."""
+
+    ratios: dict[int, float]
+
+    def sweep(self) -> None:
+        self.ratios = {}
+        plans: list[Any] = [None]
+        if self.rank == 0:
+            plans[0] = [p.to_dict() for p in plan_from_run(self.cfg.splits_from, self.world)]
+        dist.broadcast_object_list(plans, src=0, group=self.control)
+        layers = [SplitPlan(**p) for p in plans[0]]
+        self.say(
+            f"# comm-bench --splits-from {self.cfg.splits_from}: all_to_all_single on {self.world} ranks "
+            f"({self.backend}, {self.cfg.dtype}), {len(layers)} MoE layer(s), experts placed on ranks in "
+            f"contiguous blocks; records -> {self.path / 'comm.jsonl'}"
+        )
+        if not layers:
+            self.not_run["all_to_all"] = f"no recorded layer has at least {self.world} experts"
+            self.say(f"# nothing to measure: {self.not_run['all_to_all']}")
+            return
+        self.say(
+            f"# {'layer':>5} {'router':<28} {'MB/rank':>8} {'even p50 us':>11} {'routed p50 us':>13} "
+            f"{'ratio':>6}"
+        )
+        for plan in layers:
+            results: dict[str, list[RankResult]] = {"even": [], "routed": []}
+            for round_no in range(ROUNDS + 1):  # interleaved, the order flipping: drift hits both alike
+                for mode in ("even", "routed") if round_no % 2 == 0 else ("routed", "even"):
+                    result = self.time_mode(plan, mode)
+                    if round_no:  # round 0 warms up the pairs' connections and buffers
+                        results[mode].append(result)
+            figures = {mode: self.record(plan, mode, results[mode]) for mode in ("even", "routed")}
+            if self.rank != 0:
+                continue
+            # medians of the iterations: a shared machine's stalls land in the means, not in the medians
+            even, routed = figures["even"], figures["routed"]
+            ratio = routed["time_us_p50"] / even["time_us_p50"] if even["time_us_p50"] else float("nan")
+            self.ratios[plan.layer] = ratio
+            self.say(
+                f"  {plan.layer:>5} {plan.name[-28:]:<28} {routed['bytes'] / 2**20:>8.2f} "
+                f"{even['time_us_p50']:>11.1f} {routed['time_us_p50']:>13.1f} {ratio:>6.2f}"
+            )
+
+    def time_mode(self, plan: SplitPlan, mode: str) -> RankResult:
+        """One timed loop of `mode`'s splits on this rank."""
+        self.watch.step(f"all_to_all layer {plan.layer} {mode} splits")
+        return _time_splits(
+            plan.routed if mode == "routed" else plan.even, rank=self.rank, world=self.world,
+            dtype=self.cfg.dtype, device=self.device, group=None, control=self.control, bench=self,
+        )  # fmt: skip
+
+    def record(self, plan: SplitPlan, mode: str, rounds: list[RankResult]) -> dict[str, Any]:
+        """Every round of `mode` on this rank as one result, gathered to rank 0 and written there."""
+        matrix = plan.routed if mode == "routed" else plan.even
+        mine = RankResult(
+            time_s=sum(r.time_s for r in rounds),
+            iters=sum(r.iters for r in rounds),
+            durations_us=[d for r in rounds for d in r.durations_us],
+            wrong=sum(r.wrong for r in rounds),
+        )
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=self.control)
+        self.rows += 1
+        if gathered is None:
+            return {}
+        size = elem_bytes(self.cfg.dtype)
+        record = _figures(gathered, matrix, size, self.hosts)
+        record.update(
+            collective="all_to_all", algo="default", backend=self.backend, dtype=self.cfg.dtype,
+            world_size=self.world, status="ok", inplace=False, splits=mode, layer=plan.layer,
+            router=plan.name, experts=plan.experts, hidden=plan.hidden, imbalance=plan.imbalance,
+        )  # fmt: skip
+        self.writer.write(record)
+        self.records.append(record)
+        self.wrong_total += record["wrong"]
+        return record
+
+    def summary(self) -> str:
+        worst = max(self.ratios.items(), key=lambda kv: kv[1], default=None)
+        line = f"# {self.rows} rows, {self.wrong_total} wrong elements, in {self.path / 'comm.jsonl'}"
+        if worst:
+            line += (
+                f"\n# the recorded routing costs layer {worst[0]} {worst[1]:.2f}x the time of equal splits"
+            )
+        return line
+
+
+def _time_splits(
+    matrix: list[list[int]], *, rank: int, world: int, dtype: str, device: torch.device, group: Any,
+    control: Any, bench: Bench,
+) -> RankResult:  # fmt: skip
+    send = [matrix[rank][d] for d in range(world)]
+    recv = [matrix[s][rank] for s in range(world)]
+    kind = DTYPES[dtype]
+    source = torch.full((sum(send),), float(rank), dtype=torch.float32, device=device).to(kind)
+    out = torch.empty(sum(recv), dtype=kind, device=device)
+
+    def op() -> None:
+        dist.all_to_all_single(out, source, output_split_sizes=recv, input_split_sizes=send, group=group)
+
+    timing = bench.timing
+    start = time.perf_counter()
+    warm = max(timing.warmup, 1)
+    for _ in range(warm):
+        op()
+    sync(device)
+    iters = timing.iters or _agree_on_iters((time.perf_counter() - start) / warm, timing, control)
+    marks = Marks(iters + 1, device)
+    dist.barrier(group=control)
+    sync(device)
+    marks.mark(0)
+    start = time.perf_counter()
+    for i in range(iters):
+        op()
+        marks.mark(i + 1)
+        bench.watch.tick()
+    sync(device)
+    elapsed = time.perf_counter() - start
+    out.fill_(-1)
+    op()
+    sync(device)
+    wrong = 0
+    for s, block in enumerate(out.to(torch.float32).split(recv)):
+        wrong += int((block != float(s)).sum())
+    return RankResult(time_s=elapsed, iters=iters, durations_us=marks.durations_us(), wrong=wrong)
+
+
+def _figures(
+    results: list[RankResult], matrix: list[list[int]], elem: int, hosts: list[str]
+) -> dict[str, Any]:
+    n = len(results)
+    rank_us = [r.time_s * 1e6 / r.iters for r in results]
+    avg_us = sum(rank_us) / n
+    per_iter = [max(d) for d in zip(*(r.durations_us for r in results), strict=False)]
+    send = [sum(row) * elem for row in matrix]
+    recv = [sum(matrix[s][d] for s in range(n)) * elem for d in range(n)]
+    mean_bytes = sum(send) // n
+    algbw = mean_bytes / (avg_us * 1e-6) / 1e9 if avg_us > 0 else 0.0
+    slowest = max(range(n), key=lambda r: rank_us[r])
+    return {
+        "bytes": mean_bytes,
+        "count": mean_bytes // elem,
+        "max_send_bytes": max(send),
+        "max_recv_bytes": max(recv),
+        "iters": results[0].iters,
+        "time_us": avg_us,
+        "time_us_min": min(rank_us),
+        "time_us_max": max(rank_us),
+        "time_us_p50": percentile(per_iter, 50),
+        "time_us_p99": percentile(per_iter, 99),
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * (n - 1) / n,
+        "busbw_factor": (n - 1) / n,
+        "wrong": sum(r.wrong for r in results),
+        "slowest_rank": slowest,
+        "slowest_host": hosts[slowest] if slowest < len(hosts) else None,
+        "rank_time_us": rank_us,
+    }

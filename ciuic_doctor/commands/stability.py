@@ -33,7 +33,9 @@ from ciuic_doctor.cli_args import positive_float
 NAME = "stability"
 HELP = "loss spikes, divergence, overflow storms and loss-scale collapse, from our steps or framework logs"
 ORDER = 55
-FORMAT_CHOICES = "auto, ours, megatron, deepspeed, hf, lightning, nanogpt, wordlm"
+FORMAT_CHOICES = (
+    "auto, ours, megatron, deepspeed, hf, lightning, nanogpt, wordlm, torchtitan, llmc, modded-nanogpt"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

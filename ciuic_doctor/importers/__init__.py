@@ -69,6 +69,7 @@ _DEEPSPEED_SIGN = re.compile(
     r"|loss scale already at minimum|Minimum loss scale reached|\[deepspeed\]|\[deepscale\]"
 )
 _NANOGPT_SIGN = re.compile(r"^iter \d+: loss [-+0-9.eEnaif]+, time ", re.M)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour escapes (torchtitan colours every field)
 _WORDLM_SIGN = re.compile(r"^\| epoch +\d+ \| +\d+/ *\d+ batches \|", re.M)
 _TORCHTITAN_SIGN = re.compile(r"(?:^|[ \]:-])step: *\d+ +loss: *\S+ +(?:grad_norm: *\S+ +)?memory: ", re.M)
 _LLMC_SIGN = re.compile(
@@ -262,8 +263,6 @@ def sniff(path: str | Path) -> str:
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
     text = head.decode("utf-8", errors="replace")
     if "\x1b" in text:
-        from ciuic_doctor.importers._text import ANSI
-
         text = ANSI.sub("", text)
     stripped = text.lstrip()
     if stripped.startswith("{") and '"log_history"' in text:

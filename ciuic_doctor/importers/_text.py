@@ -122,7 +122,6 @@ def unix_seconds(stamps):  # pandas Series of str -> float seconds (NaN where ab
 
 
 NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?nan|NaN|[-+]?inf"
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour escapes (torchtitan colours every field)
 EVAL_POINTS_MAX = 10_000  # eval losses kept (a run evaluates every few hundred steps: ample)
 
 
@@ -165,7 +164,7 @@ def read_rows(
     one regex and no fast path."""
     import math
 
-    from ciuic_doctor.importers import StepLog, intervals, normalize
+    from ciuic_doctor.importers import ANSI, StepLog, intervals, normalize
 
     columns: dict[str, list] = {
         "step": [],

@@ -77,6 +77,8 @@ def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Find
     from ciuic_doctor.analysis import _stability_checks as checks
     from ciuic_doctor.analysis._stability_scaler import scaler
 
+    curve.loss_kind, curve.vocab_size = log.loss_kind, log.vocab_size
+    curve.eval_loss = list(log.eval_loss) if curve.series == 0 else []  # the log's eval is its main run's
     findings: list[Finding] = []
     diverged, divergence_findings = checks.divergence(curve)
     _, grad_spikes, spike_findings = checks.spikes(curve, diverged)

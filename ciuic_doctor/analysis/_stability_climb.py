@@ -5,7 +5,7 @@ rises from its best and stays up (pure numpy; the findings are built in _stabili
 climbed 0.12 -> 0.33 over 450 steps and then dropped to 0.18 at an epoch boundary (a fine-tune that
 memorises: each new epoch starts lower) read as "did not diverge". `find_climb` looks at the whole curve:
 
-    smooth    medians of blocks of max(16, n/50) points (n/8, at least 2, below 64 points), in log space
+    smooth    medians of blocks of n/16 points (at least 2, at most 200), in log space
     climb     the block furthest above the best before it (the running minimum): at least CLIMB_RATIO×
               that best and DIVERGENCE_MIN_ABS nats above it, reached over at least MIN_CLIMB_BLOCKS blocks
               with a Mann–Kendall z of at least CLIMB_Z (a steady rise; a sharp jump is a spike and judged
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ciuic_doctor.analysis._spikes import DIVERGENCE_MIN_ABS, SHORT_LOG_POINTS
+from ciuic_doctor.analysis._spikes import DIVERGENCE_MIN_ABS
 from ciuic_doctor.analysis._trend import robust_trend
 
 CLIMB_RATIO = 1.5
@@ -61,7 +61,8 @@ class EvalRise:
 
 
 def _blocks(n: int) -> int:
-    return int(min(200, max(16, n // 50))) if n >= SHORT_LOG_POINTS else max(2, n // 8)
+    """Points per block: 16 blocks or more (a climb needs MIN_CLIMB_BLOCKS of them), at most 200 points."""
+    return int(min(200, max(2, n // 16)))
 
 
 def find_climb(

@@ -140,13 +140,19 @@ def _lr_cut(spike: Spike, steps: np.ndarray, lr: np.ndarray | None) -> bool:
 
 
 def calm_grad(
-    grad_spikes: list[Spike], loss_events: list[Spike], *, lead_steps: int, row_steps: float
+    grad_spikes: list[Spike],
+    loss_events: list[Spike],
+    *,
+    lead_steps: int,
+    near_steps: float,
+    row_steps: float,
 ) -> tuple[list[Spike], list[Spike]]:
-    """(calm, answered): a recovered grad-norm spike is calm when no loss excursion started from one row
-    before it to `lead_steps` after its end."""
+    """(calm, answered): a recovered grad-norm spike is calm when no raised loss excursion started from one
+    row before it to `lead_steps` after its end (`near_steps` after, for a spike of one or two points)."""
     calm, answered = [], []
     for g in grad_spikes:
-        low, high = g.start_step - row_steps, g.end_step + lead_steps
+        reach = lead_steps if g.points > 2 else near_steps
+        low, high = g.start_step - row_steps, g.end_step + reach
         hit = any(low <= e.start_step <= high for e in loss_events)
         (answered if hit or g.recovered_after_steps is None else calm).append(g)
     return calm, answered

@@ -8,7 +8,9 @@
 The loss is the step's global average over every rank's tokens (`%8.5f` since 2026-02, `%7.4f` before),
 the grad norm the step's total norm (absent before 2025, where `wps:` stood for `tps:`). Without
 `--local-ranks-filter` every rank prints the same line; the launcher's `[rankN]:` prefix tells them apart.
-The escapes (`\\x1b[31m` ... `\\x1b[39m`, 24-bit `\\x1b[38;2;180;60;0m`) are removed before reading.
+The escapes (`\\x1b[31m` ... `\\x1b[39m`, 24-bit `\\x1b[38;2;180;60;0m`) are removed before reading; any
+logging prefix is allowed before `step:` (torchtitan's own `[titan] ... - root - INFO - `, or a wrapper's such
+as ezpz's `[2025-09-11 14:09:46,954794][I][components/metrics:437:log] `).
 Source: pytorch/torchtitan torchtitan/components/metrics.py (MetricsProcessor.log / log_validation).
 """
 
@@ -17,10 +19,10 @@ from __future__ import annotations
 from ciuic_doctor.importers._text import NUMBER, line_format
 
 load = line_format(
-    r"(?:[^\n]*? - )?step: *(?P<step>\d+) +loss: *(?P<loss>" + NUMBER + r")"
+    r"(?:[^\n]*?[ \]])?(?<!validate )step: *(?P<step>\d+) +loss: *(?P<loss>" + NUMBER + r")"
     r"(?: +grad_norm: *(?P<grad_norm>" + NUMBER + r"))?",
     name="torchtitan",
     framework="torchtitan",
-    eval_pattern=r"(?:[^\n]*? - )?validate step: *(?P<step>\d+) +loss: *(?P<loss>" + NUMBER + r")",
+    eval_pattern=r"(?:[^\n]*?[ \]])?validate step: *(?P<step>\d+) +loss: *(?P<loss>" + NUMBER + r")",
     loss_kind="sample",
 )

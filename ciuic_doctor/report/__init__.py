@@ -117,7 +117,7 @@ def build_report(
     unknown = imported.spec_unknown(meta, resolved.kind)
     if unknown is not None:
         plan, tips = imported.gate_plan(plan, unknown), imported.gate_tips(tips, unknown)
-        resolved = replace(resolved, kind="imported", note=imported.spec_note(unknown, meta))
+        resolved = replace(resolved, kind="imported", note=imported.spec_note(meta))
     title = imported.log_title(meta)
     shown = replace(spec, job=replace(spec.job, name=title)) if title else spec  # the report's title
     parts = sections.build_sections(streams, findings, meta)

@@ -61,15 +61,16 @@ def spec_unknown(meta: dict[str, Any], kind: str) -> str | None:
     )
 
 
-def spec_note(reason: str, meta: dict[str, Any]) -> str:
+def spec_note(meta: dict[str, Any]) -> str:
     settings = (import_summary(meta) or {}).get("settings") or {}
     shown = ""
     if isinstance(settings, dict) and settings:
         shown = " The log prints: " + ", ".join(f"{k} {v}" for k, v in list(settings.items())[:8]) + "."
     title = log_title(meta) or "an imported log"
     return (
-        f"This report is about {title}, a log another framework wrote, not about a job ciuic-doctor ran: "
-        f"{reason}.{shown}"
+        f"This report is about {title}, a log another framework wrote, not about a job ciuic-doctor ran. It "
+        "gives no ciuic-doctor job spec, so the settings rules and the seed-tip claims that rest on one are "
+        f"not run (pass --spec JOB.TOML to judge them).{shown}"
     )
 
 

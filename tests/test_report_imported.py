@@ -93,3 +93,16 @@ def test_a_spec_given_for_an_imported_log_is_judged(tmp_path):
     recs = json.loads((run_dir / "recommendations.json").read_text())
     assert recs["recommendations"], "the spec's settings are judged"
     assert not any(f["check"] == "job_settings" for f in recs["settings_findings"])
+
+
+def test_a_log_name_cannot_add_a_line_to_recommended_env():
+    """The title is a file name, and recommended.env (which a shell sources) carries it in a comment."""
+    from ciuic_doctor.recommend import Plan
+    from ciuic_doctor.report import files
+    from ciuic_doctor.report.imported import log_title
+
+    title = log_title({"source": {"import": {"formats": {"/x/a\nexport EVIL=1\x1b[31m.log": "megatron"}}}})
+    assert "\n" not in title
+    assert "\x1b" not in title
+    env = files.env_text(Plan(), job=title, run="r")
+    assert not any(line.startswith("export") for line in env.splitlines())

@@ -47,7 +47,14 @@ def log_title(meta: dict[str, Any]) -> str | None:
     names = [Path(str(p)).name or str(p) for p in formats] or ["imported log"]
     kinds = sorted({str(k) for k in formats.values()})
     shown = " + ".join(names[:3]) + (f" + {len(names) - 3} more" if len(names) > 3 else "")
-    return f"{shown} ({', '.join(kinds)})" if kinds else shown
+    return _plain(f"{shown} ({', '.join(kinds)})" if kinds else shown)
+
+
+def _plain(text: str, most: int = 160) -> str:
+    """A file name as one printable line: it becomes recommended.env's comment (a file a shell sources),
+    summary.md's heading and the page title, so a newline or escape in a name must not start a new line."""
+    clean = "".join(c if c.isprintable() else "?" for c in text).replace("`", "'")
+    return clean if len(clean) <= most else clean[: most - 1] + "…"
 
 
 def spec_unknown(meta: dict[str, Any], kind: str) -> str | None:

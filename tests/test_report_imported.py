@@ -66,6 +66,10 @@ def test_report_of_an_imported_log_is_about_that_log(tmp_path, kind):
     write_findings(out, analyze_log(log))
     build_report(out)
     check_report(out.path, path.name, kind)
+    if kind == "megatron":  # the arguments block is shown as what the log prints, not judged as a spec
+        html = (out.path / "report.html").read_text()
+        assert "printed: global_batch_size" in html
+        assert "global_batch_size 512" in html
 
 
 def test_torchtitan_log_through_the_commands(tmp_path):

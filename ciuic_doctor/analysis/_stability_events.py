@@ -47,15 +47,21 @@ class Judged:
 
 
 def merge_events(spikes: list[Spike], steps: np.ndarray) -> list[tuple[Spike, int]]:
-    """(event, parts): spikes starting within MERGE_GAP_ROWS rows of the previous one's end are one."""
+    """(event, parts): a spike is part of the one before when it starts within MERGE_GAP_ROWS rows after
+    that one ended, or while it was still up but within MERGE_GAP_ROWS rows of its last part's start (the
+    steep edge of one bump). A fresh spike hundreds of steps into a slow recovery is an event of its own."""
     if not spikes:
         return []
     gaps = np.diff(steps)
     row_steps = float(np.median(gaps[gaps > 0])) if (gaps > 0).any() else 1.0
     reach = MERGE_GAP_ROWS * row_steps
     out: list[tuple[Spike, int]] = []
+    last_start = 0
     for spike in sorted(spikes, key=lambda s: s.start_step):
-        if out and spike.start_step <= out[-1][0].end_step + reach:
+        after = out and out[-1][0].end_step < spike.start_step <= out[-1][0].end_step + reach
+        edge = out and spike.start_step <= out[-1][0].end_step and spike.start_step - last_start <= reach
+        last_start = spike.start_step
+        if after or edge:
             first, parts = out[-1]
             peak = spike if spike.peak > first.peak else first
             recovered = (

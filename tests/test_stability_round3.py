@@ -191,10 +191,10 @@ def test_merged_spikes_are_one_event():
     assert event.peak == 0.158
     assert event.magnitude == pytest.approx(0.158 / 0.035)
     assert event.recovered_after_steps == 8
-    slow = Spike(start_step=100, peak_step=100, peak=6.0, baseline=3.0, recovered_after_steps=450, end_step=549,
-                 magnitude=2.0, points=450)  # fmt: skip
-    fresh = Spike(start_step=500, peak_step=500, peak=9.0, baseline=4.0, recovered_after_steps=200, end_step=699,
-                  magnitude=2.25, points=200)  # fmt: skip
+    slow = Spike(start_step=100, peak_step=100, peak=6.0, baseline=3.0, recovered_after_steps=450,
+                 end_step=549, magnitude=2.0, points=450)  # fmt: skip
+    fresh = Spike(start_step=500, peak_step=500, peak=9.0, baseline=4.0, recovered_after_steps=200,
+                  end_step=699, magnitude=2.25, points=200)  # fmt: skip
     assert [parts for _, parts in merge_events([slow, fresh], np.arange(0, 1000))] == [1, 1]  # two events
 
 

@@ -145,14 +145,32 @@ _JSON_SETTING = re.compile(r'"(train_batch_size|train_micro_batch_size_per_gpu|g
                            r'|gradient_clipping)"\s*:\s*([-+0-9.eE]+)')  # fmt: skip
 
 
+_DS_PARAMS = re.compile(r"(optimizer_params|scheduler_params)[ \t]+\.+[ \t]+(\{[^}\n]*\})")
+_DS_PARAM_KEYS = {"lr": "lr", "warmup_num_steps": "warmup_steps", "warmup_max_lr": "lr",
+                  "total_num_steps": "train_steps", "weight_decay": "weight_decay"}  # fmt: skip
+
+
 def megatron_settings(text: str) -> dict[str, Any]:
     """The job settings a Megatron arguments block or a DeepSpeed config dump prints, by our names
-    (global_batch_size, micro_batch_size, lr, warmup_steps, clip_max_norm, ...), the first value each.
+    (global_batch_size, micro_batch_size, lr, warmup_steps, clip_max_norm, ...), the first value each;
+    DeepSpeed's `optimizer_params` / `scheduler_params` dicts give the LR and the warm-up.
 
     >>> megatron_settings("  global_batch_size ............... 512\\n  lr .............. 0.0003\\n")
     {'global_batch_size': 512, 'lr': 0.0003}
+    >>> megatron_settings("scheduler_params ..... {'warmup_max_lr': 5e-05, 'warmup_num_steps': 100}")
+    {'lr': 5e-05, 'warmup_steps': 100}
     """
     found: dict[str, Any] = {}
+    for match in _DS_PARAMS.finditer(text):
+        try:
+            params = ast.literal_eval(match.group(2))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+        for key, value in params.items() if isinstance(params, dict) else ():
+            name = _DS_PARAM_KEYS.get(key)
+            number = _number(value, None)
+            if name and name not in found and number is not None and math.isfinite(number):
+                found[name] = int(number) if float(number).is_integer() and name != "lr" else number
     pairs = [*_ARG_LINE.findall(text), *_JSON_SETTING.findall(text)]
     for name, raw in pairs:
         key = _SETTING_NAMES.get(name)

@@ -170,7 +170,8 @@ def test_hf_trainer_state_train_entries_only(tmp_path, grad_norm):
     log = load(path)
     table = log.table
     assert table["step"].tolist() == list(range(10, 1001, 10))
-    assert log.unread_lines == 3  # two eval entries and the final summary
+    assert log.unread_lines == 1  # the final summary; the two eval entries are the eval loss
+    assert [step for step, _ in log.eval_loss] == [500, 1000]
     assert table["grad_norm"].notna().any() == grad_norm
     assert table.set_index("step").loc[510, "nonfinite"] == 1
     assert table["loss"].iloc[0] == pytest.approx(float(np.mean(run.loss[:10])), abs=1e-4)

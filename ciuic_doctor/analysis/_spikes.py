@@ -26,8 +26,10 @@ and, for a loss, at least LOSS_MIN_ABS_RISE nats (a rise smaller than that chang
 
 Short logs and the first points: the rolling σ needs 16 points; before them (and in a log shorter than the
 window) σ is the same robust estimate over the whole log, and the baseline is the median of the points
-before (at least 2), so a spike at the third logged point is seen (Megatron-DeepSpeed's 12.4 -> 41 at
-iteration 3). Fewer than MIN_POINTS points cannot be judged at all (the caller says not_run).
+before, so a spike at the third logged point is seen (Megatron-DeepSpeed's 12.4 -> 41 at iteration 3);
+the second point, with one point before it, is judged against the higher of that point and the median of
+the 8 after it (a 20-point Megatron log's 12.0 -> 22.5 -> 12.6). Fewer than MIN_POINTS points cannot
+be judged at all (the caller says not_run).
 
 OLMo-core's StabilityMonitor also draws its line at 6σ, but of raw values around a mean of the 128
 before, which a trend inflates and warm-up leaves unjudged (benchmarks/stability_rules.py compares them).
@@ -132,7 +134,7 @@ def robust_bands(y: np.ndarray, rule: SpikeRule) -> tuple[np.ndarray, np.ndarray
     with np.errstate(invalid="ignore"):
         maybe = (y - _coarse_level(y)) >= line - 2 * sigma
     maybe[: rule.noise_points] = True  # the steep start: look at every point
-    maybe[:MIN_BEFORE] = False
+    maybe[:1] = False  # the first point has nothing before it
     maybe &= np.isfinite(sigma) & (sigma > 0)
     at = np.flatnonzero(maybe)
     baseline = np.full(n, np.nan)
@@ -204,7 +206,10 @@ def _baseline_at(y: np.ndarray, sigma: np.ndarray, at: np.ndarray, rule: SpikeRu
         centred[inside] = np.median(y[at[inside, None] + np.arange(-half, half + 1)], axis=1)
     with np.errstate(invalid="ignore"):
         riding = (after - before > SLOW_SPIKE_Z * sigma[at]) | (at + b >= n) | np.isnan(centred)
-    return np.where(riding, before, centred)
+    # Fewer than MIN_BEFORE points before (the second logged point): one point alone is no baseline, so
+    # the point must stand above the points after it as well (Megatron's 12.0 -> 22.5 -> 12.6; issue 24).
+    thin = at < MIN_BEFORE
+    return np.where(thin, np.fmax(before, after), np.where(riding, before, centred))
 
 
 def _noise(steps, rule: SpikeRule) -> np.ndarray:  # |Δ log| Series -> σ per point

@@ -1,5 +1,6 @@
 """The stability checks as findings: one function per check family, each taking the folded Curve —
-spikes and divergence, non-finite losses, clipping.
+divergence (end against best, a steady climb, the eval loss), non-finite losses, clipping; the spikes are
+in `_stability_spikes.py` (re-exported here as `spikes`).
 
 Kept apart from `stability.py` (the analysis entry point) so each file reads in one sitting; the
 loss-scaler checks are in `_stability_scaler.py`, and the detectors themselves in `_spikes.py` and
@@ -13,68 +14,121 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ciuic_doctor.analysis._spikes import (
-    GRAD_NORM_RULE,
-    LOSS_RULE,
-    MIN_POINTS,
-    Divergence,
-    Spike,
-    find_divergence,
-    find_spikes,
-    quantum_of,
-)
+from ciuic_doctor.analysis._spikes import GRAD_NORM_RULE, Spike, find_divergence, quantum_of
+from ciuic_doctor.analysis._stability_climb import RECOVERED_RATIO, Climb, find_climb, find_eval_rise
+from ciuic_doctor.analysis._stability_spikes import spikes
+
+__all__ = ["clipping", "divergence", "nonfinite", "spikes"]
 from ciuic_doctor.analysis._stability_findings import _finding, _g, _times
 from ciuic_doctor.findings import Finding
 
 if TYPE_CHECKING:
     from ciuic_doctor.analysis._stability_curve import Curve
 
-MAX_SPIKE_FINDINGS = 10
-LEAD_STEPS = 100  # a grad-norm spike up to this many steps before a loss spike led it (OLMo 2's observation)
 HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
 MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
 DIVERGENCE_MIN_POINTS = 16  # 8 blocks of 2 points: fewer cannot tell a rise from noise
-# One or two logged points up to 3× their neighbours that are back right after, with a grad norm that did
-# not move, are a hard batch (Baize's batch-size-2 fine-tune: 8 of them at ~2.2×), not instability. Only
-# where the log has a row per step: an interval's row shows one step's grad norm, which cannot vouch for
-# the others, and an interval mean that doubles hides a far bigger step.
-OUTLIER_MAX_MAGNITUDE = 3.0
-OUTLIER_MAX_POINTS = 2
 
 
 # ---- spikes and divergence ---------------------------------------------------------------------
 
 
-def divergence(curve: Curve) -> tuple[Divergence | None, list[Finding]]:
+def divergence(curve: Curve) -> tuple[int | None, list[Finding]]:
+    """(onset step of a divergence, findings): the loss ends far above its best (find_divergence), climbed
+    steadily and did not come back (find_climb: an epoch-boundary drop at the end cannot hide it), ends in
+    NaN/inf, or its eval loss rose from its best and stayed up (find_eval_rise)."""
     has_loss = np.isfinite(curve.loss).any()
     if not has_loss and not curve.nonfinite.any():
         return None, [_finding("divergence", "not_run", "no loss values in this log")]
     points = int((np.isfinite(curve.loss) & (curve.loss > 0)).sum())
-    found = find_divergence(curve.step, curve.loss, quantum=quantum_of(curve.loss))
+    quantum = quantum_of(curve.loss)
+    found = find_divergence(curve.step, curve.loss, quantum=quantum)
+    climb = find_climb(curve.step, curve.loss, curve.lr, quantum=quantum) if found is None else None
+    eval_rise = find_eval_rise(curve.eval_loss, quantum=quantum)
     tail = _nonfinite_tail(curve)
-    if found is None and tail is None and points < DIVERGENCE_MIN_POINTS:
-        why = f"too short: {points} loss point{'s' if points != 1 else ''} (need {DIVERGENCE_MIN_POINTS})"
-        return None, [_finding("divergence", "not_run", why)]
-    if found is None and tail is None:
+    if found is None and climb is None and tail is None and eval_rise is None:
+        if points < DIVERGENCE_MIN_POINTS:
+            why = f"too short: {points} loss point{'s' if points != 1 else ''} (need {DIVERGENCE_MIN_POINTS})"
+            return None, [_finding("divergence", "not_run", why)]
         finite = curve.loss[np.isfinite(curve.loss)]
         summary = "the loss did not diverge"
         if len(finite) >= 2:
-            summary += f" (ends at {_g(finite[-1])}, best {_g(finite.min())})"
+            summary += f" (ends at {_g(finite[-1])}, best {_g(finite.min())}; no steady climb"
+            summary += (
+                f"; eval loss: {len(curve.eval_loss)} points, none stayed up)" if curve.eval_loss else ")"
+            )
         return None, [_finding("divergence", "pass", summary)]
     evidence: dict[str, Any] = {"nonfinite_tail": tail is not None}
+    verdict, onset = "fail", None
+    parts: list[str] = []
     if found is not None:
         evidence.update(onset_step=found.onset_step, detected_step=found.detected_step, best_loss=found.best,
                         final_loss=found.final, ratio=found.ratio)  # fmt: skip
         onset = found.onset_step
-        summary = (
+        parts.append(
             f"loss diverged from step {onset}: it ends at {_g(found.final)}, {_times(found.ratio)} its best "
             f"{_g(found.best)}, and does not come back"
         )
-    else:
+    elif climb is not None:
+        onset = climb.onset_step
+        evidence.update(onset_step=onset, detected_step=climb.peak_step, best_loss=climb.best)
+        evidence.update(final_loss=climb.final, ratio=climb.final_ratio, climb=_climb_evidence(climb))
+        parts.append(_climb_text(climb))
+        if climb.recovered_step is not None:
+            verdict = "warn"
+    elif tail is not None:
         onset = tail
         evidence.update(onset_step=tail, detected_step=tail)
-        summary = f"loss became NaN/inf at step {tail} and stayed so to the end of the log"
-    return found, [_finding("divergence", "fail", summary, evidence, onset)]
+    if tail is not None and found is None:
+        parts.append(f"loss became NaN/inf at step {tail} and stayed so to the end of the log")
+        verdict = "fail"
+    if eval_rise is not None:
+        evidence["eval"] = {
+            "best_step": eval_rise.best_step,
+            "best": eval_rise.best,
+            "last_step": eval_rise.last_step,
+            "last": eval_rise.last,
+            "ratio": eval_rise.ratio,
+            "points": eval_rise.points,
+        }
+        text = (
+            f"eval loss rose {_times(eval_rise.ratio)} from its best {_g(eval_rise.best)} (step "
+            f"{eval_rise.best_step}) to {_g(eval_rise.last)} at step {eval_rise.last_step} and did not come "
+            "back"
+        )
+        if not parts:
+            onset = eval_rise.best_step
+            text += " while the train loss did not climb: overfitting, or eval data unlike the train data"
+            verdict = "warn"
+        elif verdict == "warn":
+            verdict = "fail"  # the train loss came back, the eval loss did not: the run did not recover
+        parts.append(text)
+    return (onset if verdict == "fail" else None), [
+        _finding("divergence", verdict, "; ".join(parts), evidence, onset)
+    ]
+
+
+def _climb_text(climb: Climb) -> str:
+    text = (
+        f"loss climbed {_times(climb.ratio)} from its best {_g(climb.best)} over {climb.steps} steps (from "
+        f"step {climb.onset_step} to {_g(climb.peak)} at step {climb.peak_step})"
+    )
+    if climb.lr_warming and climb.lr_at_onset is not None and climb.lr_peak is not None:
+        text += f" while the LR was still warming up ({_g(climb.lr_at_onset)} of a {_g(climb.lr_peak)} peak)"
+    if climb.recovered_step is not None:
+        return text + f"; back within {RECOVERED_RATIO:g}× of the best by step {climb.recovered_step}"
+    return text + (
+        f"; it ends at {_g(climb.final)}, {_times(climb.final_ratio)} its best, and never came back (a drop "
+        "at the end, such as an epoch boundary, does not undo the climb)"
+    )
+
+
+def _climb_evidence(climb: Climb) -> dict[str, Any]:
+    return {
+        "onset_step": climb.onset_step, "peak_step": climb.peak_step, "best": climb.best, "peak": climb.peak,
+        "ratio": climb.ratio, "final": climb.final, "final_ratio": climb.final_ratio,
+        "recovered_step": climb.recovered_step, "steps": climb.steps, "lr_warming": climb.lr_warming,
+    }  # fmt: skip
 
 
 def _nonfinite_tail(curve: Curve, min_rows: int = 3) -> int | None:
@@ -85,118 +139,6 @@ def _nonfinite_tail(curve: Curve, min_rows: int = 3) -> int | None:
     good = np.flatnonzero(~bad)
     first = good[-1] + 1 if len(good) else 0
     return int(curve.step[first])
-
-
-def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list[Spike], list[Finding]]:
-    findings: list[Finding] = []
-    grad_spikes = find_spikes(
-        curve.step, curve.grad_norm, GRAD_NORM_RULE, quantum=quantum_of(curve.grad_norm)
-    )
-    loss_spikes = find_spikes(curve.step, curve.loss, LOSS_RULE, quantum=quantum_of(curve.loss))
-    if diverged is not None:  # an unrecovered rise at the divergence is the divergence, reported there
-        loss_spikes = [
-            s for s in loss_spikes
-            if s.recovered_after_steps is not None or s.start_step < diverged.onset_step - LEAD_STEPS
-        ]  # fmt: skip
-    has_grad = int((np.isfinite(curve.grad_norm) & (curve.grad_norm > 0)).sum()) >= MIN_POINTS
-    grad = grad_spikes if has_grad else None
-    outliers = [s for s in loss_spikes if _per_step_row(curve, s.start_step) and _hard_batch(s, grad)]
-    loss_spikes = [s for s in loss_spikes if s not in outliers]
-    findings += _spike_findings("loss_spike", "loss", curve.loss, loss_spikes, grad, outliers=len(outliers))
-    if outliers:
-        findings.append(_outlier_finding(outliers))
-    findings += _spike_findings("grad_norm_spike", "grad norm", curve.grad_norm, grad_spikes, None)
-    return loss_spikes, grad_spikes, findings
-
-
-def _per_step_row(curve: Curve, step: int) -> bool:
-    row = int(np.searchsorted(curve.step, step))
-    return row < len(curve.step) and curve.step[row] == step and curve.interval[row] <= 1
-
-
-def _hard_batch(spike: Spike, grad: list[Spike] | None) -> bool:
-    """At most OUTLIER_MAX_POINTS points, back right after, at most OUTLIER_MAX_MAGNITUDE×, and a grad norm
-    that was read and did not spike before or with it."""
-    if grad is None or spike.points > OUTLIER_MAX_POINTS or spike.recovered_after_steps is None:
-        return False
-    if spike.magnitude > OUTLIER_MAX_MAGNITUDE:
-        return False
-    return not any(spike.start_step - LEAD_STEPS <= g.start_step <= spike.end_step for g in grad)
-
-
-def _outlier_finding(outliers: list[Spike]) -> Finding:
-    steps = [s.start_step for s in outliers]
-    worst = max(outliers, key=lambda s: s.magnitude)
-    evidence = {
-        "count": len(outliers),
-        "steps": steps[:100],
-        "max_magnitude": round(worst.magnitude, 3),
-        "median_magnitude": round(float(np.median([s.magnitude for s in outliers])), 3),
-        "max_points": max(s.points for s in outliers),
-        "grad_norm_led": False,
-    }
-    summary = (
-        f"{len(outliers)} short loss outlier(s) up to {_times(worst.magnitude)} (at steps "
-        f"{', '.join(map(str, steps[:8]))}{', ...' if len(steps) > 8 else ''}): each back within "
-        f"{OUTLIER_MAX_POINTS} logged points, with no grad-norm spike before or with it; they look like hard "
-        "batches, not instability"
-    )
-    return _finding("loss_outliers", "pass", summary, evidence)
-
-
-def _spike_findings(
-    check: str, name: str, values, found: list[Spike], grad: list[Spike] | None, *, outliers: int = 0
-):
-    points = int((np.isfinite(values) & (values > 0)).sum())
-    if points < MIN_POINTS:
-        why = (
-            f"no {name} in this log"
-            if points == 0
-            else f"too short: {points} {name} points (need {MIN_POINTS})"
-        )
-        return [_finding(check, "not_run", why)]
-    if not found:
-        summary = f"no {name} spike in {points} logged points"
-        if outliers:
-            summary = (
-                f"no {name} spike that lasted in {points} logged points ({outliers} short outlier(s) that "
-                "recovered at once: see loss_outliers)"
-            )
-        return [_finding(check, "pass", summary)]
-    shown = sorted(sorted(found, key=lambda s: -s.magnitude)[:MAX_SPIKE_FINDINGS], key=lambda s: s.start_step)
-    out = []
-    for spike in shown:
-        evidence = spike.to_evidence()
-        summary = (
-            f"{name} spiked {_times(spike.magnitude)} at step {spike.start_step} (baseline "
-            f"{_g(spike.baseline)}, peak {_g(spike.peak)} at step {spike.peak_step}); "
-        )
-        if spike.recovered_after_steps is None:
-            summary += "not recovered by the end of the log"
-        else:
-            summary += f"back to baseline after {spike.recovered_after_steps} steps"
-        if check == "loss_spike":
-            led = _leading(spike, grad)
-            evidence["grad_norm_led"] = None if grad is None else led is not None
-            if led is not None:
-                evidence["grad_norm_spike_step"] = led.start_step
-                lead = spike.start_step - led.start_step
-                summary += f"; grad norm spiked {lead} step{'s' if lead > 1 else ''} before it"
-        verdict = "fail" if spike.recovered_after_steps is None else "warn"
-        out.append(_finding(check, verdict, summary, evidence, spike.start_step))
-    if len(found) > len(shown):
-        others = [s.start_step for s in found if s not in shown]
-        out[-1].evidence["more_spikes_at_steps"] = others[:100]
-        out[-1].summary += f" ({len(others)} smaller spikes not listed)"
-    return out
-
-
-def _leading(spike: Spike, grad: list[Spike] | None) -> Spike | None:
-    """The grad-norm spike that started within LEAD_STEPS before the loss spike, if any."""
-    if not grad:
-        return None
-    before = [g for g in grad if spike.start_step - LEAD_STEPS <= g.start_step < spike.start_step]
-    return before[-1] if before else None
 
 
 # ---- non-finite losses -------------------------------------------------------------------------

@@ -7,7 +7,7 @@ any skip per step, so a loss spike on one rank's batch still shows and a skip is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,6 +29,9 @@ class Curve:
     skipped: np.ndarray
     ranks: int
     series: int = 0  # the table's series this curve is (events of another series are not its own)
+    loss_kind: str = "mean"  # StepLog.loss_kind: a row's loss is the interval's mean, or one step's sample
+    vocab_size: int | None = None  # what the log prints: ln of it is a uniform guess's loss
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)  # the log's eval (step, loss) pairs
 
     @property
     def steps_covered(self) -> int:

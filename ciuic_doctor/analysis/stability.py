@@ -3,10 +3,14 @@
 Reads our `steps` stream (`analyze(run)`) or any log the importers read (`analyze_log(log)`, used by the
 `stability` command). Checks, with the evidence other tools rely on:
 
-    loss_spike        one per spike: where.step = first step; peak, baseline, magnitude (peak/baseline),
-                      recovered_after_steps (None: not back by the end of the log), grad_norm_led
-    grad_norm_spike   one per spike (same evidence, no grad_norm_led)
-    divergence        the loss ends ≥ 1.5× its best and stays there; where.step = onset
+    loss_spike        one per event (spikes within 3 rows merged): where.step = first step; peak, baseline,
+                      magnitude (peak/baseline), rise_nats, rise_quanta, recovered_after_steps (None: not
+                      back by the end of the log), grad_norm_led; fail when not recovered or severe (above
+                      where the run started after it had learned, or ≥ 1 nat for 10 % of the log)
+    grad_norm_spike   one per spike the loss answered (same evidence, no grad_norm_led)
+    divergence        the loss ends ≥ 1.5× its best and stays there, or climbed steadily ≥ 1.5× its best
+                      (an epoch-boundary drop at the end does not hide it), or the eval loss rose ≥ 1.5×
+                      its best and stayed up (warn alone: overfitting); where.step = onset
     nonfinite_loss    NaN/inf losses: count, first/last step, persistent (the log ends in them)
     overflow_storm    ≥ 5 skipped steps within 100 steps after calibration
     scale_collapse    the scale reached the framework's floor and kept skipping, went below 1 (GradScaler),
@@ -15,8 +19,9 @@ Reads our `steps` stream (`analyze(run)`) or any log the importers read (`analyz
                       suggested_init_scale, suggest_bf16 (+ overflows_near_lr_peak and the advice)
     clipping          clip_max_norm, clipped_fraction, suggested_max_norm (from healthy steps)
 
-    loss_outliers     single-point outliers that recovered at once with no grad-norm lead (hard batches),
-                      summarised as one pass finding instead of one warning each
+    loss_outliers     one- or two-point outliers back at once with no grad-norm spike with them (hard
+                      batches), and recovered bumps under 0.2 nats: one pass finding, not a warning each
+    grad_norm_outliers  grad-norm spikes the loss never answered: one pass finding
     log_import        what was read (formats, rows, unread lines, engines, series) and what the import had
                       to decide; warn when paths that are not one run were given together
 
@@ -77,6 +82,8 @@ def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Find
     from ciuic_doctor.analysis import _stability_checks as checks
     from ciuic_doctor.analysis._stability_scaler import scaler
 
+    curve.loss_kind, curve.vocab_size = log.loss_kind, log.vocab_size
+    curve.eval_loss = list(log.eval_loss) if curve.series == 0 else []  # the log's eval is its main run's
     findings: list[Finding] = []
     diverged, divergence_findings = checks.divergence(curve)
     _, grad_spikes, spike_findings = checks.spikes(curve, diverged)

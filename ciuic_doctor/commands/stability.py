@@ -1,5 +1,5 @@
 """Judge training stability from a run directory or from Megatron-LM, DeepSpeed, HF Trainer, Lightning,
-nanoGPT or word_language_model logs.
+torchtitan, llm.c, nanoGPT, modded-nanogpt or word_language_model logs.
 
 Finds loss and grad-norm spikes (where, how big, whether and when the loss recovered, whether grad norm
 spiked first), divergence, NaN/inf losses, overflow storms and collapse of the fp16 loss scale, and says what
@@ -8,14 +8,16 @@ the scaler's own window and hysteresis, as the log prints them or as its skip pa
 overflows follow its peak, clip max_norm from the grad norms of healthy steps.
 
 PATH is a run directory (its steps stream), a Megatron or DeepSpeed text log, a trainer_state.json, a
-metrics.csv, or nanoGPT / word_language_model stdout; several PATHs are read as one run when each resumes
+metrics.csv, a torchtitan log, llm.c's main.log, a modded-nanogpt record, or nanoGPT / word_language_model
+stdout; several PATHs are read as one run when each resumes
 the one before (a resumed run's later log wins on repeated steps), else each is judged as a run of its own
 and the log_import finding warns. Exit code 1 when a check failed (divergence, unrecovered spike, scale
 collapse, a run that ends in NaN).
 
 With --out RUN an imported log becomes a run directory (RUN/steps.jsonl + meta.json["source"]), so
-`ciuic-doctor report RUN` draws its loss / grad-norm / scale with the findings marked, and `analyze RUN`
-gives the same findings again.
+`ciuic-doctor report RUN` draws its loss / grad-norm / scale / LR with the findings marked, titled after
+the log, and `analyze RUN` gives the same findings again; without --spec the report recommends nothing
+from the embedded job's default spec (the log does not describe that job).
 
 Examples:
     ciuic-doctor stability train.log                       # Megatron or DeepSpeed stdout, sniffed
@@ -33,7 +35,9 @@ from ciuic_doctor.cli_args import positive_float
 NAME = "stability"
 HELP = "loss spikes, divergence, overflow storms and loss-scale collapse, from our steps or framework logs"
 ORDER = 55
-FORMAT_CHOICES = "auto, ours, megatron, deepspeed, hf, lightning, nanogpt, wordlm"
+FORMAT_CHOICES = (
+    "auto, ours, megatron, deepspeed, hf, lightning, nanogpt, wordlm, torchtitan, llmc, modded-nanogpt"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -29,7 +29,9 @@ a real total gradient norm is never exactly 0 while a model trains) become NaN.
 Formats: `ours` (the steps stream of a run directory), `megatron`, `deepspeed` (+ apex and fairseq
 overflow lines), `hf` (trainer_state.json), `lightning` (CSVLogger metrics.csv), `nanogpt` (`iter N: loss
 X, time Yms, mfu Z%`), `wordlm` (PyTorch examples word_language_model `| epoch 1 | 200/2983 batches |
-... | loss 5.12 |`). `auto` sniffs each path.
+... | loss 5.12 |`), `torchtitan` (`step: N  loss: X  grad_norm: G  memory: ...`, ANSI colours and all),
+`llmc` (llm.c's main.log `s:N trl:X lr:Y norm:Z` and its stdout), `modded-nanogpt` (`step:N/M
+train_loss:X train_time:...`). `auto` sniffs each path.
 Every importer survives arbitrary bytes: what it cannot read it counts and skips, and a file with nothing
 it recognises ends in one `UserError` line, never a traceback.
 """
@@ -47,7 +49,11 @@ from ciuic_doctor.errors import UserError
 if TYPE_CHECKING:
     import pandas as pd
 
-FORMATS: tuple[str, ...] = ("ours", "megatron", "deepspeed", "hf", "lightning", "nanogpt", "wordlm")
+FORMATS: tuple[str, ...] = (
+    "ours", "megatron", "deepspeed", "hf", "lightning", "nanogpt", "wordlm", "torchtitan", "llmc",
+    "modded-nanogpt",
+)  # fmt: skip
+_MODULES = {"modded-nanogpt": "modded_nanogpt"}  # a format whose module name differs
 COLUMNS: tuple[str, ...] = (
     "step", "rank", "t", "loss", "lr", "grad_norm", "loss_scale", "attempted_scale", "skipped", "nonfinite",
     "interval_steps", "series", "source",
@@ -63,7 +69,13 @@ _DEEPSPEED_SIGN = re.compile(
     r"|loss scale already at minimum|Minimum loss scale reached|\[deepspeed\]|\[deepscale\]"
 )
 _NANOGPT_SIGN = re.compile(r"^iter \d+: loss [-+0-9.eEnaif]+, time ", re.M)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colour escapes (torchtitan colours every field)
 _WORDLM_SIGN = re.compile(r"^\| epoch +\d+ \| +\d+/ *\d+ batches \|", re.M)
+_TORCHTITAN_SIGN = re.compile(r"(?:^|[ \]:-])step: *\d+ +loss: *\S+ +(?:grad_norm: *\S+ +)?memory: ", re.M)
+_LLMC_SIGN = re.compile(
+    r"^s:\d+ t[re]l:[-+0-9.naif]+|^step +\d+/\d+ \| (?:train )?loss \S+ [^\n]*\| norm ", re.M
+)
+_MODDED_SIGN = re.compile(r"^step:\d+/\d+ (?:train|val)_loss:\S+ train_time:", re.M)
 
 
 @dataclass(kw_only=True)
@@ -74,6 +86,15 @@ class StepLog:
     fatal "already at minimum"). `min_scale` is the framework's loss-scale floor (Megatron and DeepSpeed 1,
     fairseq 1e-4; None for torch.amp.GradScaler, which has none). `steps_known` is False when a log places
     events only in order (DeepSpeed overflow lines without any `step=` line).
+
+    `eval_loss` holds the (step, loss) pairs of the log's validation lines (HF `eval_loss`, Lightning
+    `val_loss`, torchtitan `validate step:`, llm.c `tel:`, nanoGPT/modded-nanogpt `val loss`). `loss_kind`
+    says what a row's loss is: "mean" over the logging interval (Megatron, HF, word_language_model) or one
+    step's "sample" (torchtitan, llm.c, nanoGPT, Lightning `_step`, DeepSpeed's pipeline): a sampled row
+    every 50 steps that doubles is one batch, a mean that doubles hides a far bigger step. `vocab_size`
+    is what the log prints (nanoGPT `found vocab_size`, Megatron `padded_vocab_size`): ln of it is the loss
+    of a uniform guess. `settings` are the job settings the log prints (Megatron's arguments block,
+    DeepSpeed's config dump: batch size, LR, warm-up), shown in the report, never judged as a spec.
 
     `scaler` is the loss scaler's configuration where the log prints it (importers/_config.py:
     window_steps, hysteresis, min_scale, initial_scale, source "log"); the analysis infers what is missing
@@ -95,6 +116,10 @@ class StepLog:
     series_names: list[str] = field(default_factory=list)
     engines: int = 1
     notes: list[str] = field(default_factory=list)
+    eval_loss: list[tuple[int, float]] = field(default_factory=list)
+    loss_kind: str = "mean"
+    vocab_size: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -120,7 +145,27 @@ class StepLog:
             "steps_known": self.steps_known,
             "events": list(self.events[:100]),
             "notes": list(self.notes),
+            "eval_loss": [[int(s), _json_number(v)] for s, v in _thinned(self.eval_loss, 2000)],
+            "loss_kind": self.loss_kind,
+            "vocab_size": self.vocab_size,
+            "settings": dict(self.settings),
         }
+
+
+def _thinned(points: list, most: int) -> list:
+    """At most `most` of `points`, evenly spaced, the last one always kept."""
+    if len(points) <= most:
+        return list(points)
+    every = -(-len(points) // most)
+    return [*points[:-1:every], points[-1]]
+
+
+def _json_number(value: float) -> float | str:
+    """NaN/inf as "nan"/"inf" strings (meta.json is strict JSON), finite values as they are."""
+    import math
+
+    value = float(value)
+    return value if math.isfinite(value) else ("nan" if math.isnan(value) else str(value))
 
 
 def empty_table() -> pd.DataFrame:
@@ -217,6 +262,8 @@ def sniff(path: str | Path) -> str:
     except OSError as exc:
         raise UserError(f"{path}: cannot read ({exc.strerror})") from None
     text = head.decode("utf-8", errors="replace")
+    if "\x1b" in text:
+        text = ANSI.sub("", text)
     stripped = text.lstrip()
     if stripped.startswith("{") and '"log_history"' in text:
         return "hf"
@@ -226,6 +273,12 @@ def sniff(path: str | Path) -> str:
         return "ours"
     if _MEGATRON_SIGN.search(text):
         return "megatron"
+    if _TORCHTITAN_SIGN.search(text):
+        return "torchtitan"
+    if _MODDED_SIGN.search(text):
+        return "modded-nanogpt"
+    if _LLMC_SIGN.search(text):
+        return "llmc"
     if _DEEPSPEED_SIGN.search(text):
         return "deepspeed"
     if _NANOGPT_SIGN.search(text):
@@ -287,7 +340,7 @@ def _load_one(path: Path, fmt: str) -> StepLog:
         raise UserError(f"{path}: no such file or directory")
     if not path.is_file() and not path.is_dir():  # a FIFO named with --format: a read would block forever
         raise UserError(f"{path}: not a regular file (a pipe or device cannot be read as a log)")
-    module = importlib.import_module(f"{__name__}.{kind}")
+    module = importlib.import_module(f"{__name__}.{_MODULES.get(kind, kind)}")
     try:
         part = module.load(path)
     except (OSError, MemoryError) as exc:

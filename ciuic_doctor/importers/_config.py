@@ -125,3 +125,60 @@ def _typed(found: dict[str, Any]) -> dict[str, Any]:
     if out:
         out["source"] = "log"
     return out
+
+
+# Megatron's arguments block (`  global_batch_size ....... 512`) and DeepSpeed's config dump
+# (`train_batch_size ............. 64`, or the JSON config's `"train_batch_size": 64`): what the job ran
+# with, for the report to show. Never turned into a job spec: a log's arguments are not ciuic-doctor's.
+_SETTING_NAMES = {
+    "global_batch_size": "global_batch_size", "train_batch_size": "global_batch_size",
+    "micro_batch_size": "micro_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps", "lr": "lr", "min_lr": "min_lr",
+    "lr_warmup_iters": "warmup_steps", "lr_warmup_fraction": "warmup_fraction",
+    "lr_decay_style": "lr_decay_style", "train_iters": "train_steps", "clip_grad": "clip_max_norm",
+    "gradient_clipping": "clip_max_norm", "seq_length": "seq_length", "world_size": "world_size",
+    "data_parallel_size": "data_parallel_size", "tensor_model_parallel_size": "tensor_parallel_size",
+    "pipeline_model_parallel_size": "pipeline_parallel_size", "weight_decay": "weight_decay",
+}  # fmt: skip
+_ARG_LINE = re.compile(r"^[ \t]*(?:\[[^\]\n]*\][ \t]*)*([a-z_]+)[ \t]+\.{3,}[ \t]+([^\s]+)[ \t]*$", re.M)
+_JSON_SETTING = re.compile(r'"(train_batch_size|train_micro_batch_size_per_gpu|gradient_accumulation_steps'
+                           r'|gradient_clipping)"\s*:\s*([-+0-9.eE]+)')  # fmt: skip
+
+
+_DS_PARAMS = re.compile(r"(optimizer_params|scheduler_params)[ \t]+\.+[ \t]+(\{[^}\n]*\})")
+_DS_PARAM_KEYS = {"lr": "lr", "warmup_num_steps": "warmup_steps", "warmup_max_lr": "lr",
+                  "total_num_steps": "train_steps", "weight_decay": "weight_decay"}  # fmt: skip
+
+
+def megatron_settings(text: str) -> dict[str, Any]:
+    """The job settings a Megatron arguments block or a DeepSpeed config dump prints, by our names
+    (global_batch_size, micro_batch_size, lr, warmup_steps, clip_max_norm, ...), the first value each;
+    DeepSpeed's `optimizer_params` / `scheduler_params` dicts give the LR and the warm-up.
+
+    >>> megatron_settings("  global_batch_size ............... 512\\n  lr .............. 0.0003\\n")
+    {'global_batch_size': 512, 'lr': 0.0003}
+    >>> megatron_settings("scheduler_params ..... {'warmup_max_lr': 5e-05, 'warmup_num_steps': 100}")
+    {'lr': 5e-05, 'warmup_steps': 100}
+    """
+    found: dict[str, Any] = {}
+    for match in _DS_PARAMS.finditer(text):
+        try:
+            params = ast.literal_eval(match.group(2))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+        for key, value in params.items() if isinstance(params, dict) else ():
+            name = _DS_PARAM_KEYS.get(key)
+            number = _number(value, None)
+            if name and name not in found and number is not None and math.isfinite(number):
+                found[name] = int(number) if float(number).is_integer() and name != "lr" else number
+    pairs = [*_ARG_LINE.findall(text), *_JSON_SETTING.findall(text)]
+    for name, raw in pairs:
+        key = _SETTING_NAMES.get(name)
+        if key is None or key in found or raw in ("None", "null"):
+            continue
+        number = _number(raw, None)
+        if number is None:
+            found[key] = raw[:40]
+        elif math.isfinite(number):
+            found[key] = int(number) if float(number).is_integer() and "." not in raw else number
+    return found

@@ -6,7 +6,8 @@ other").
     RUN/steps.jsonl   one record per imported row: rank, step, t, loss, lr, grad_norm, loss_scale,
                       attempted_scale, skipped, interval_steps, series, nonfinite (every line the same
                       keys, so importers/ours.py reads it on its fast path); a NaN/inf loss is
-                      "nan"/"inf", a loss the log did not print is null
+                      "nan"/"inf", a loss the log did not print is null; `t` is the log's time stamp,
+                      or the import's time where the log prints none (the schema needs one)
     RUN/meta.json     source: {paths, formats, import: StepLog.summary()} (what ours.load restores: the
                       framework, the scaler's configuration, events, engines and series names), observed:
                       {precision, loss_scaler}
@@ -78,6 +79,8 @@ def _records(log: StepLog):  # -> Iterator[dict]
             "series": int(counts["series"][i]),
             "nonfinite": bad,
         }
+        if record["t"] is None:  # a log without time stamps: the stream's schema needs a time, so the
+            del record["t"]  # writer stamps the import's own (the report then draws the rows; issue 24)
         yield record
 
 

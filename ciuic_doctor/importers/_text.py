@@ -121,45 +121,127 @@ def unix_seconds(stamps):  # pandas Series of str -> float seconds (NaN where ab
     return seconds.astype("float64")
 
 
-def line_format(pattern: str, *, name: str, framework: str) -> Callable[[Path], Any]:
+NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?nan|NaN|[-+]?inf"
+EVAL_POINTS_MAX = 10_000  # eval losses kept (a run evaluates every few hundred steps: ample)
+
+
+def line_format(
+    pattern: str,
+    *,
+    name: str,
+    framework: str,
+    eval_pattern: str | None = None,
+    loss_kind: str = "mean",
+    eval_as_loss: bool = False,
+) -> Callable[[Path], Any]:
     """An importer's `load(path)` for a plain-text log whose training rows one regex reads (after any
-    launcher prefix): see read_rows for the groups it needs."""
-    line = re.compile(r"^[ \t]*" + RANK_PREFIX + r"[ \t]*" + pattern, re.M)
+    launcher prefix): see read_rows for the groups it needs. `eval_pattern` reads the eval-loss lines
+    (groups `loss` and, where the line has one, `step`); `loss_kind` says whether a row's loss is one step's
+    ("sample") or the mean over the logging interval ("mean"); with `eval_as_loss`, a log that prints no
+    training loss at all is judged on its eval loss (the one loss curve it has), and a note says so."""
+    head = r"^[ \t]*" + RANK_PREFIX + r"[ \t]*"
+    line = re.compile(head + pattern, re.M)
+    evals = re.compile(head + eval_pattern, re.M) if eval_pattern else None
 
     def load(path: Path):  # -> StepLog
-        return read_rows(path, line, source=f"{name}:{path.name}", framework=framework)
+        log = read_rows(path, line, source=f"{name}:{path.name}", framework=framework, eval_line=evals)
+        log.loss_kind = loss_kind
+        if eval_as_loss and log.eval_loss and not log.table["loss"].notna().any():
+            log = _eval_as_rows(log, source=f"{name}:{path.name}")
+        return log
 
     return load
 
 
-def read_rows(path: Path, line: re.Pattern, *, source: str, framework: str):  # -> StepLog
+def read_rows(
+    path: Path, line: re.Pattern, *, source: str, framework: str, eval_line: re.Pattern | None = None
+):  # -> StepLog
     """A plain-text log with one regex a training row: groups `step` (or `epoch` + `batch` + `batches`),
-    `loss`, and optionally `lr`; `loss nan`/`inf` is counted as non-finite. Logs people paste in bug
-    reports are small, so this reads the whole file in chunks with one regex and no fast path."""
+    `loss`, and optionally `lr` and `grad_norm` (a second spelling of a line may use `step2`, `loss2`,
+    `lr2`, `grad_norm2`); `loss nan`/`inf` is counted as non-finite. ANSI colour escapes are removed first.
+    Eval lines (`eval_line`) give StepLog.eval_loss; one without a step belongs to the last training step
+    before it. Logs people paste in bug reports are small, so this reads the whole file in chunks with
+    one regex and no fast path."""
     import math
 
-    from ciuic_doctor.importers import StepLog, normalize
+    from ciuic_doctor.importers import ANSI, StepLog, intervals, normalize
 
-    columns: dict[str, list] = {"step": [], "rank": [], "loss": [], "lr": [], "nonfinite": []}
-    read = 0
-    for text in text_chunks(path):
-        read += count_lines(text)
-        for match in line.finditer(text):
+    columns: dict[str, list] = {
+        "step": [],
+        "rank": [],
+        "loss": [],
+        "lr": [],
+        "grad_norm": [],
+        "nonfinite": [],
+    }
+    evals: list[tuple[int, float]] = []
+    read = eval_lines = 0
+    for chunk in text_chunks(path):
+        read += count_lines(chunk)
+        text = ANSI.sub("", chunk) if "\x1b" in chunk else chunk
+        rows = [(m.start(), "train", m) for m in line.finditer(text)]
+        if eval_line is not None:
+            rows += [(m.start(), "eval", m) for m in eval_line.finditer(text)]
+            rows.sort(key=lambda row: row[0])
+        for _, kind, match in rows:
             found = match.groupdict()
-            if found.get("step") is not None:
-                step = int(found["step"])
-            else:
-                step = (int(found["epoch"]) - 1) * int(found["batches"]) + int(found["batch"])
-            loss = _float(found.get("loss"))
+            if kind == "eval":
+                eval_lines += 1
+                last = columns["step"][-1] if columns["step"] else 0
+                step = int(found["step"]) if found.get("step") is not None else last
+                if len(evals) < EVAL_POINTS_MAX:
+                    evals.append((step, _float(found.get("loss"))))
+                continue
+            step = _step(found)
+            raw_loss = found.get("loss") if found.get("loss") is not None else found.get("loss2")
+            loss = _float(raw_loss)
             columns["step"].append(step)
             columns["rank"].append(_float(match.group(1) or match.group(2)))
             columns["loss"].append(loss)
-            columns["lr"].append(_float(found.get("lr")))
-            columns["nonfinite"].append(int(not math.isfinite(loss) and found.get("loss") is not None))
-    steps = columns["step"]
-    columns["interval_steps"] = [b - a if b > a else 1 for a, b in zip([0, *steps], steps, strict=False)]
+            columns["lr"].append(_float(found.get("lr") or found.get("lr2")))
+            columns["grad_norm"].append(_float(found.get("grad_norm") or found.get("grad_norm2")))
+            columns["nonfinite"].append(int(not math.isfinite(loss) and raw_loss is not None))
+    import pandas as pd
+
+    step_series = pd.Series(columns["step"], dtype="float64")
+    rank_series = pd.Series(columns["rank"], dtype="float64")
+    columns["interval_steps"] = intervals(step_series, rank_series).tolist() if len(step_series) else []
     table = normalize(columns, source=source)
-    return StepLog(table=table, read_lines=read, unread_lines=read - len(table), framework=framework)
+    used = len(table) + eval_lines
+    return StepLog(
+        table=table, read_lines=read, unread_lines=max(0, read - used), framework=framework, eval_loss=evals
+    )
+
+
+def _step(found: dict[str, Any]) -> int:
+    if found.get("step") is not None:
+        return int(found["step"])
+    if found.get("step2") is not None:
+        return int(found["step2"])
+    return (int(found["epoch"]) - 1) * int(found["batches"]) + int(found["batch"])
+
+
+def _eval_as_rows(log, *, source: str):  # StepLog -> StepLog
+    """The eval losses as the rows of a log that prints no training loss (later modded-nanogpt records)."""
+    import math
+
+    from ciuic_doctor.importers import normalize
+
+    steps = [s for s, _ in log.eval_loss]
+    losses = [v for _, v in log.eval_loss]
+    spacing = [b - a if b > a else 1 for a, b in zip([0, *steps], steps, strict=False)]
+    log.table = normalize(
+        {
+            "step": steps,
+            "loss": losses,
+            "nonfinite": [int(not math.isfinite(v)) for v in losses],
+            "interval_steps": spacing,
+        },
+        source=source,
+    )
+    log.loss_kind = "sample"
+    log.notes.append("the log prints no training loss: judged on its validation loss")
+    return log
 
 
 def _float(text: str | None) -> float:

@@ -13,8 +13,12 @@ launcher prefix `[rank3]: ` / `3: `):
     Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0     (apex)
     overflow detected, setting loss scale to: 0.0625                                     (fairseq)
     Minimum loss scale reached (0.0001). ...                                             (fairseq, fatal)
+    steps: 40 loss: 7.3121 iter time (s): 0.651 samples/sec: 98.343     (the pipeline engine: the loss)
 
-DeepSpeed prints no loss of its own, so the rows carry the scaler's story: one row per `step=` line
+DeepSpeed's plain engine prints no loss, so the rows carry the scaler's story; the pipeline engine
+(PipelineEngine.train_batch, every steps_per_print) prints `steps: N loss: X`, that step's loss averaged over
+its micro-batches, which fills the loss column (a step of its own where no `step=` line has it).
+Otherwise one row per `step=` line
 (skips in the interval, the scale after its last overflow). Overflow lines carry no step, so they are
 placed in the interval that ends at the next `step=` line; without any `step=` line each overflow is its
 own row numbered in order (`steps_known` False). Several ranks printing the same overflow count once.
@@ -38,7 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ciuic_doctor.importers import SNIFF_BYTES, StepLog, normalize
-from ciuic_doctor.importers._config import head_text, learning_rate_names, precision, scaler_config
+from ciuic_doctor.importers._config import (
+    head_text,
+    learning_rate_names,
+    megatron_settings,
+    precision,
+    scaler_config,
+)
 from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, text_chunks
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
@@ -54,6 +64,7 @@ _LINE = re.compile(
     r"(?P<apex_scale>" + _NUM + r"))"
     r"|(?P<fairseq>overflow detected, setting loss scale to: (?P<fs_scale>" + _NUM + r"))"
     r"|(?P<fsmin>Minimum loss scale reached)"
+    r"|(?P<pipe>steps: (?P<pstep>\d+) loss: (?P<ploss>" + _NUM + r"|nan|-?inf))"
     r")",
     re.M,
 )  # fmt: skip
@@ -72,6 +83,7 @@ class _Event:
     lr: float = math.nan
     hysteresis: int = 0  # the "but hysteresis is N" of a skip that kept the scale
     engine: int = 0
+    loss: float = math.nan  # the pipeline engine's `steps: N loss: X`
 
 
 def load(path: Path) -> StepLog:
@@ -82,6 +94,8 @@ def load(path: Path) -> StepLog:
         read += count_lines(text)
         for match in _LINE.finditer(text):
             events.append(_event(match, frameworks))
+    pipe = [e for e in events if e.kind == "pipe"]
+    events = [e for e in events if e.kind != "pipe"]
     framework = "deepspeed" if "deepspeed" in frameworks or not frameworks else sorted(frameworks)[0]
     log = StepLog(
         table=None,
@@ -96,6 +110,7 @@ def load(path: Path) -> StepLog:
     if attempted and log.precision is None:
         log.precision = "fp16"
     log.scaler = scaler_config(head)
+    log.settings = megatron_settings(head)
     hysteresis = max((e.hysteresis for e in events if e.kind == "overflow"), default=0)
     if hysteresis and "hysteresis" not in log.scaler:
         log.scaler["hysteresis"] = hysteresis  # "but hysteresis is 2" says it outright
@@ -119,7 +134,52 @@ def load(path: Path) -> StepLog:
     else:
         log.steps_known = False
         log.table = _by_order(events, log, source)
+    if pipe:
+        log.table = _with_pipe_losses(log.table, pipe, source)
+        log.steps_known = True
+        log.loss_kind = "sample"
     return log
+
+
+def _with_pipe_losses(table, pipe: list[_Event], source: str):
+    """The pipeline engine's losses on the rows of their steps; a step without a row becomes one.
+    Several ranks (the last pipeline stage of each data-parallel replica) printing one step: the mean."""
+    import pandas as pd
+
+    losses = (
+        pd.DataFrame(
+            {"step": [e.step for e in pipe], "loss": [e.loss for e in pipe], "t": [e.t for e in pipe]}
+        )
+        .groupby("step", sort=True)
+        .agg(loss=("loss", "mean"), t=("t", "first"))
+        .reset_index()
+    )
+    nonfinite = (~losses["loss"].map(math.isfinite)).astype(int)
+    if table is None or table.empty or len(table.loc[table["series"] == 0]) == 0:
+        spacing = losses["step"].diff().where(lambda d: d > 0)
+        return normalize(
+            {
+                "step": losses["step"], "t": losses["t"], "loss": losses["loss"], "nonfinite": nonfinite,
+                "interval_steps": spacing.fillna(spacing.median() if spacing.notna().any() else 1),
+            },
+            source=source,
+        )  # fmt: skip
+    by_step = dict(zip(losses["step"], losses["loss"], strict=True))
+    bad = dict(zip(losses["step"], nonfinite, strict=True))
+    table = table.copy()
+    own = table["series"] == 0
+    table.loc[own, "loss"] = table.loc[own, "step"].map(by_step).astype("float64")
+    table.loc[own, "nonfinite"] = table.loc[own, "step"].map(bad).fillna(0).astype("int64")
+    extra = losses[~losses["step"].isin(table.loc[own, "step"])]
+    if len(extra):
+        gaps = losses["step"].diff().where(lambda d: d > 0)
+        spacing = int(gaps.median()) if gaps.notna().any() else 1  # steps_per_print
+        bad_extra = (~extra["loss"].map(math.isfinite)).astype(int)
+        columns = {"step": extra["step"], "t": extra["t"], "loss": extra["loss"], "nonfinite": bad_extra}
+        rows = normalize({**columns, "interval_steps": [spacing] * len(extra)}, source=source)
+        table = pd.concat([table, rows], ignore_index=True).sort_values(["step", "series"], kind="stable")
+        table = table.reset_index(drop=True)
+    return table
 
 
 def _event(match: re.Match, frameworks: set[str]) -> _Event:
@@ -146,6 +206,10 @@ def _event(match: re.Match, frameworks: set[str]) -> _Event:
         return _Event(
             kind="overflow", rank=rank, t=t, attempted=attempted, new_scale=new, hysteresis=hysteresis
         )
+    if match.group("pipe"):
+        frameworks.add("deepspeed")
+        step, loss = int(match.group("pstep")), _float(match.group("ploss"))
+        return _Event(kind="pipe", rank=_rank(prefix_rank), t=t, step=step, loss=loss)
     if match.group("apex"):
         frameworks.add("apex")
         scale = _float(match.group("apex_scale"))

@@ -2,8 +2,9 @@
 
 Train entries carry `loss` (the mean since the previous log, rounded to 4 places), `learning_rate`,
 `epoch`, `step` and, since transformers ~4.38, `grad_norm` (of the logged step). Eval entries (`eval_loss`,
-...) and the final summary entry (`train_runtime`, `train_loss`, ...) are not training steps: they are
-counted as unread. Python's json writes NaN/Infinity literals, which json.loads reads back as floats.
+...) give the eval loss (StepLog.eval_loss); the final summary entry (`train_runtime`, `train_loss`, ...)
+is not a training step: it is counted as unread. Python's json writes NaN/Infinity literals, which
+json.loads reads back as floats.
 A run directory of checkpoints has one trainer_state.json per checkpoint; pass the latest.
 """
 
@@ -29,7 +30,12 @@ def load(path: Path) -> StepLog:
     if not isinstance(history, list):
         raise UserError(f"{path}: no log_history list (expected a Trainer trainer_state.json)")
     rows = []
+    evals: list[tuple[int, float]] = []
     for entry in history:
+        if isinstance(entry, dict) and "eval_loss" in entry:
+            step, value = _number(entry.get("step")), _number(entry.get("eval_loss"))
+            if step is not None and value is not None and math.isfinite(step) and abs(step) < 2**62:
+                evals.append((int(step), value))
         if not isinstance(entry, dict) or "loss" not in entry:
             continue
         step = _number(entry.get("step"))
@@ -54,8 +60,9 @@ def load(path: Path) -> StepLog:
     return StepLog(
         table=normalize(columns, source=f"hf:{path.name}"),
         read_lines=len(history),
-        unread_lines=len(history) - len(rows),
+        unread_lines=len(history) - len(rows) - len(evals),
         framework="hf",
+        eval_loss=evals,
     )
 
 

@@ -6,7 +6,7 @@ different rows). A metric logged with both on_step and on_epoch appears as `<nam
 `<name>_epoch`. The loss is the first of: `train_loss_step`, `train_loss`, `loss_step`, `loss`,
 `train/loss`, else any column with "loss" in its name that is not a val/test/epoch one. Learning rate:
 LearningRateMonitor's `lr-<Optimizer>`; grad norm: `grad_2.0_norm_total` (lightning's grad_norm utility) or
-a column named like grad_norm.
+a column named like grad_norm; eval loss: `val_loss` (or a val* column with "loss" in its name).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from ciuic_doctor.importers import StepLog, normalize
 
 _LOSS_NAMES = ("train_loss_step", "train_loss", "loss_step", "loss", "train/loss", "train/loss_step")
 _NONFINITE = ("nan", "inf", "-inf", "infinity", "-infinity", "+inf")
+_VAL_NAMES = ("val_loss", "val_loss_epoch", "val/loss", "valid_loss", "validation_loss")
 _GRAD_NAMES = ("grad_2.0_norm_total", "grad_norm", "grad_norm_step", "train/grad_norm", "grad_norm_total")
 
 
@@ -48,6 +49,7 @@ def load(path: Path) -> StepLog:
     loss_col = _pick(columns, _LOSS_NAMES, lambda c: "loss" in c.lower() and _is_train(c))
     lr_col = _pick(columns, ("lr", "learning_rate"), lambda c: c.startswith(("lr-", "lr_")))
     grad_col = _pick(columns, _GRAD_NAMES, lambda c: "grad" in c.lower() and "norm" in c.lower())
+    val_col = _pick(columns, _VAL_NAMES, lambda c: "loss" in c.lower() and c.lower().startswith("val"))
     used = [c for c in (loss_col, lr_col, grad_col) if c]
     numeric = {c: pd.to_numeric(frame[c].str.strip(), errors="coerce") for c in ["step", *used]}
     if loss_col:
@@ -64,6 +66,13 @@ def load(path: Path) -> StepLog:
         rows = by_step[by_step[grad_col].notna()] if grad_col else by_step.iloc[0:0]
     steps = rows["step"]
     loss = rows[loss_col] if loss_col else None
+    evals: list[tuple[int, float]] = []
+    if val_col:
+        values = pd.DataFrame(
+            {"step": numeric["step"], "loss": pd.to_numeric(frame[val_col].str.strip(), errors="coerce")}
+        ).dropna()
+        evals = [(int(a), float(b)) for a, b in zip(values["step"], values["loss"], strict=True)]
+    epoch_mean = bool(loss_col) and str(loss_col).lower().endswith("_epoch")
     return StepLog(
         table=normalize(
             {
@@ -79,6 +88,8 @@ def load(path: Path) -> StepLog:
         read_lines=lines,
         unread_lines=max(0, lines - len(rows)),
         framework="lightning",
+        eval_loss=evals,
+        loss_kind="mean" if epoch_mean else "sample",  # `_step` (or on_step) values are one step's
     )
 
 

@@ -13,7 +13,9 @@ iteration's and is absent when that iteration was skipped. bf16 runs print `loss
 Megatron-DeepSpeed's pipeline engine writes the loss as `lm-loss:` and prints `loss scale: -1.0` and
 `grad norm: 0.000` where it does not compute them (placeholders, read as missing: importers.normalize).
 The arguments block at the top (`loss_scale_window ..... 1000`, `hysteresis`, `min_loss_scale`,
-`initial_loss_scale`, `fp16`/`bf16`) and a DeepSpeed config dump give the scaler's configuration.
+`initial_loss_scale`, `fp16`/`bf16`) and a DeepSpeed config dump give the scaler's configuration, and the
+job settings it prints (global batch size, LR, warm-up: StepLog.settings); `padded_vocab_size` gives the
+uniform-guess loss. `validation loss at iteration N | lm loss value: X |` lines are the eval loss.
 
 Fast path: one regex over a few MB of text at a time, the captures joined into CSV for pandas' C parser
 (about 3 µs a line; a big log is split across the usable CPUs). A chunk with an iteration line the regex
@@ -27,7 +29,7 @@ import re
 from pathlib import Path
 
 from ciuic_doctor.importers import SNIFF_BYTES, StepLog, intervals, normalize
-from ciuic_doctor.importers._config import head_text, precision, scaler_config
+from ciuic_doctor.importers._config import head_text, megatron_settings, precision, scaler_config
 from ciuic_doctor.importers._text import (
     RANK_PREFIX,
     TIMESTAMP,
@@ -52,6 +54,12 @@ _LINE = re.compile(
     + r"(?:" + _SKIP + r" number of nan iterations: *(\d+) \|)?",
     re.M,
 )  # fmt: skip
+_EVAL = re.compile(r"validation loss at iteration (\d+)[^\n|]*\| lm[ -]loss value: ([^ |\n]+)")
+_VOCAB = re.compile(
+    r"^[ \t]*padded_vocab_size[ \t]+\.+[ \t]+(\d+)"
+    r"|padded vocab \(size: \d+\) with \d+ dummy tokens \(new size: (\d+)\)",
+    re.M,
+)
 _COLUMNS = ["rank_a", "rank_b", "ts", "step", "lr", "loss", "loss_scale", "grad_norm", "skipped", "nan"]
 _SLOW_HEAD = re.compile(
     r"^[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?[^\n|]*?\biteration\s+(\d+)\s*/"
@@ -71,11 +79,13 @@ def load(path: Path) -> StepLog:
     import pandas as pd
 
     parts = map_ranges(path, _parse_range)
-    columns = pd.concat([frame for frame, _, _ in parts], ignore_index=True)
-    read = sum(lines for _, lines, _ in parts)
-    used = sum(rows for _, _, rows in parts)
+    columns = pd.concat([frame for frame, _, _, _ in parts], ignore_index=True)
+    read = sum(lines for _, lines, _, _ in parts)
+    evals = [point for _, _, _, found in parts for point in found]
+    used = sum(rows for _, _, rows, _ in parts) + len(evals)
     step, rank = columns["step"], columns["rank"]
     head = head_text(path, SNIFF_BYTES)
+    vocab = _VOCAB.search(head)
     return StepLog(
         table=normalize(
             {**{k: columns[k] for k in columns.columns}, "interval_steps": intervals(step, rank)},
@@ -87,25 +97,38 @@ def load(path: Path) -> StepLog:
         min_scale=MIN_SCALE,
         precision=precision(head),
         scaler=scaler_config(head),
+        eval_loss=evals,
+        vocab_size=int(vocab.group(1) or vocab.group(2)) if vocab else None,
+        settings=megatron_settings(head),
     )
 
 
-def _parse_range(path: Path, start: int, end: int | None):  # -> (numeric DataFrame, lines, iteration rows)
+def _parse_range(path: Path, start: int, end: int | None):  # -> (DataFrame, lines, rows, eval points)
     """The iteration lines of one byte range as numbers (what a worker sends back is plain arrays)."""
     import pandas as pd
 
     frames = []
     lines = 0
+    evals: list[tuple[int, float]] = []
     for text in text_chunks(path, start, end):
         lines += count_lines(text)
+        if "validation loss at iteration" in text:
+            evals += [(int(a), _loss_value(b)) for a, b in _EVAL.findall(text)]
         frame = _fast(text)
         frame = _slow(text) if frame is None else frame
         if len(frame):
             frames.append(_numeric(frame))
     if not frames:
-        return _numeric(pd.DataFrame(columns=_COLUMNS)), lines, 0
+        return _numeric(pd.DataFrame(columns=_COLUMNS)), lines, 0, evals
     columns = pd.concat(frames, ignore_index=True)
-    return columns, lines, len(columns)
+    return columns, lines, len(columns), evals
+
+
+def _loss_value(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
 
 
 def _fast(text: str):  # -> DataFrame | None

@@ -148,6 +148,24 @@ def _apply_import(log: StepLog, summary: dict[str, Any]) -> None:
     log.notes = [str(n) for n in summary.get("notes") or []]
     log.read_lines = int(summary.get("read_lines") or log.read_lines)
     log.unread_lines = int(summary.get("unread_lines") or 0)
+    log.eval_loss = _eval_points(summary.get("eval_loss"))
+    kind = summary.get("loss_kind")
+    log.loss_kind = kind if kind in ("mean", "sample") else log.loss_kind
+    vocab = as_float(summary.get("vocab_size"))
+    log.vocab_size = int(vocab) if vocab is not None and math.isfinite(vocab) and vocab > 1 else None
+    log.settings = dict(summary.get("settings") or {}) if isinstance(summary.get("settings"), dict) else {}
+
+
+def _eval_points(raw: Any) -> list[tuple[int, float]]:
+    """meta.json's [[step, loss], ...] back as pairs; anything else is left out."""
+    points = []
+    for pair in raw if isinstance(raw, list) else []:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            continue
+        step, loss = as_float(pair[0]), as_float(pair[1])
+        if step is not None and loss is not None and math.isfinite(step) and abs(step) < 2**62:
+            points.append((int(step), loss))
+    return points
 
 
 def _read_file(path: Path):  # -> (DataFrame, lines, unread lines)

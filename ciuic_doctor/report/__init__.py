@@ -91,7 +91,7 @@ def build_report(
     tips, and write every output file; with `baseline`, add the comparison section (and comparison.json)."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
-    from ciuic_doctor.report import files, html, plots, sections
+    from ciuic_doctor.report import files, html, imported, plots, sections
     from ciuic_doctor.seed_tips import evaluate_tips
     from ciuic_doctor.store import as_float
 
@@ -113,6 +113,13 @@ def build_report(
     ]
     context = Context(spec=spec, findings=findings, meta=meta, resolved=resolved)
     tips = evaluate_tips(context, grad_norms=grad_norms)
+    # issue 24: an imported log without a job spec of its own is not judged as the embedded job.
+    unknown = imported.spec_unknown(meta, resolved.kind)
+    if unknown is not None:
+        plan, tips = imported.gate_plan(plan, unknown), imported.gate_tips(tips, unknown)
+        resolved = replace(resolved, kind="imported", note=imported.spec_note(meta))
+    title = imported.log_title(meta)
+    shown = replace(spec, job=replace(spec.job, name=title)) if title else spec  # the report's title
     parts = sections.build_sections(streams, findings, meta)
     if baseline is not None:
         from ciuic_doctor.report.compare_section import write_comparison
@@ -136,13 +143,13 @@ def build_report(
     ]
     prov = html.provenance(meta, streams, spec)
     run_name = str(meta.get("run") or run.path.name)
-    env_text = files.env_text(plan, job=spec.job.name, run=run_name)
+    env_text = files.env_text(plan, job=shown.job.name, run=run_name)
     changes = files.toml_changes(spec, plan)
     result.summary = files.summary_md(
-        spec=spec, plan=plan, findings=findings, tips=tips, not_run=not_run, provenance=prov
+        spec=shown, plan=plan, findings=findings, tips=tips, not_run=not_run, provenance=prov
     )
     page = html.render(
-        spec=spec,
+        spec=shown,
         findings=findings,
         plan=plan,
         tips=tips,
@@ -181,6 +188,11 @@ def _toml_header(resolved: ResolvedSpec) -> str:
         return "\n".join(_wrap_comment(line) for line in lines) + "\n"
     if resolved.kind == "fallback":
         return _wrap_comment("# FALLBACK: " + resolved.note) + "\n"
+    if resolved.kind == "imported":
+        return (
+            _wrap_comment("# NOT THE LOG'S JOB: the embedded default spec, unchanged. " + resolved.note)
+            + "\n"
+        )
     return ""
 
 

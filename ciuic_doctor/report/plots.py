@@ -184,17 +184,18 @@ def _curves(rows: Sequence[dict[str, Any]]) -> dict[str | None, list[dict[str, A
     return {None: list(rows)}
 
 
-def stability_plot(records: Sequence[dict[str, Any]], events: Sequence[Finding] = ()) -> str | None:
-    """Loss, grad norm and loss scale of the lowest rank, with spikes (vertical lines) and skipped steps."""
+def stability_plot(
+    records: Sequence[dict[str, Any]], events: Sequence[Finding] = (), *, lr: bool = False
+) -> str | None:
+    """Loss, grad norm and loss scale of the lowest rank (and the LR with `lr`, for an imported log), with
+    spikes (vertical lines) and skipped steps."""
     ranks = _by_rank(records)
     if not ranks:
         return None
     rows = next(iter(ranks.values()))
-    panels = [
-        (k, t)
-        for k, t in (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"))
-        if any(_num(r, k) is not None for r in rows)
-    ]
+    names = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"))
+    names += (("lr", "learning rate"),) if lr else ()
+    panels = [(k, t) for k, t in names if any(_num(r, k) is not None for r in rows)]
     if not panels:
         return None
     plt = _pyplot()

@@ -14,6 +14,8 @@ from ciuic_doctor.findings import Finding, sort_findings
 from ciuic_doctor.report.blocks import Section, Table, _cell, _size_cell, bytes_cell, generic_content
 from ciuic_doctor.report.checkpoint_section import checkpoint_content
 from ciuic_doctor.report.hang_section import hang_sections
+from ciuic_doctor.report.imported import import_summary
+from ciuic_doctor.report.imported import job_content as imported_job_content
 from ciuic_doctor.report.moe_section import model_sections, splits_table
 from ciuic_doctor.report.plots import busbw_plot, loader_configs, loader_plot, memwatch_plot, stability_plot
 from ciuic_doctor.report.rank_view import load_steps
@@ -284,6 +286,8 @@ def build_sections(
             )
         if section.id == "comm":
             comm_content(section, streams["comm"])
+        elif section.id == "job" and import_summary(meta) is not None:  # issue 24: a report about the log
+            imported_job_content(section, meta, streams["steps"])
         elif section.id == "job":
             job_content(section, streams["steps"], section.findings)
         elif section.id == "stability":
@@ -294,7 +298,8 @@ def build_sections(
                 and f.where.get("step") is not None
                 and f.verdict in ("warn", "fail")
             ]
-            svg = stability_plot(streams["steps"], events)
+            lr = import_summary(meta) is not None  # an imported log's LR schedule is all there is of its job
+            svg = stability_plot(streams["steps"], events, lr=lr)
             if svg:
                 section.plots.append(svg)
         elif section.id == "memory":

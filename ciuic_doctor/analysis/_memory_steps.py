@@ -77,6 +77,12 @@ class StepColumns(Mapping):
         values = self._columns.get(name)
         return values[start:stop] if values is not None else np.empty(0)
 
+    def flat(self, name: str) -> np.ndarray:
+        """`name` of every row, ranks one after another (rank, then time order)."""
+        import numpy as np
+
+        return self._columns.get(name, np.empty(0))
+
     def host(self, rank: int) -> str | None:
         return self._hosts.get(rank)
 

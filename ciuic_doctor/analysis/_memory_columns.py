@@ -45,22 +45,23 @@ class MemwatchColumns(Mapping):
         # a sample without a PID or a time (0 counts as none, as the row checks had it) is no sample
         t = table["t"]
         keep = pc.and_(pc.is_valid(table["pid"]), pc.and_(pc.is_valid(t), pc.not_equal(t, 0.0)))
-        table = table.filter(keep.fill_null(False))
+        keep = keep.fill_null(False)
+        if not pc.all(keep).as_py():  # a filter copies every column: only when a sample goes
+            table = table.filter(keep)
         if not table.num_rows:
             return
         pid = table["pid"].to_numpy()
         first_seen = np.unique(pid, return_index=True)
         order = np.argsort(pid, kind="stable")  # each process's samples in file order
-        table = table.take(order)
-        for name in NUMERIC:
-            self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()
+        for name in NUMERIC:  # one column at a time: a take() of the table copied all of them at once
+            self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()[order]
         pid = pid[order]
         self._columns["pid"] = pid
         self.rows = len(pid)
         unique, starts = np.unique(pid, return_index=True)
         stops = np.r_[starts[1:], len(pid)]
-        roles = table["role"].take(stops - 1).to_pylist()  # a pid's last role wins
-        hosts = table["host"].take(starts).to_pylist()
+        roles = table["role"].take(order[stops - 1]).to_pylist()  # a pid's last role wins
+        hosts = table["host"].take(order[starts]).to_pylist()
         appearance = dict(zip(first_seen[0].tolist(), first_seen[1].tolist(), strict=True))
         for p, start, stop, role, host in sorted(
             zip(unique.tolist(), starts.tolist(), stops.tolist(), roles, hosts, strict=True),

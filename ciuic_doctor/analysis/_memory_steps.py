@@ -48,7 +48,8 @@ class StepColumns(Mapping):
         if not run.has_stream("steps"):
             return
         table = read_stream(run, "steps", self.COLUMNS).table
-        table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
+        if table["rank"].null_count or table["step"].null_count:  # a filter copies every column
+            table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
         if not table.num_rows:
             return
         # sorted by rank, then time (a record without a time first), in arrow: no 2 M-row Python loop.

@@ -304,7 +304,6 @@ def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[P
 def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None = None) -> TableRead:
     """`columns` of every valid record in `files` (file order, then line order), files read in parallel.
     `stream` names the schema the records must fit (default: the stream the first file's name says)."""
-    import pyarrow as pa
 
     from ciuic_doctor.schemas import stream_of
 
@@ -317,13 +316,14 @@ def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None
         parts = list(pool.map(lambda f: _read_one(f, columns, stream), files))
     if not parts:
         return TableRead(table=schema_for(columns).empty_table())
+    tables = [p[0][0] for p in parts]
+    parts = [((None, *p[0][1:]), p[1]) for p in parts]  # the tables only in `tables`, let go column by column
     result = TableRead(
-        table=pa.concat_tables([p[0][0] for p in parts]),
+        table=_contiguous(tables),
         files=files,
         dropped_lines=sum(p[0][1] for p in parts),
         parquet_files=sum(p[1] for p in parts),
     )
-    pa.default_memory_pool().release_unused()  # the parse's blocks: mimalloc keeps them otherwise
     for (_, _, nulled, invalid), _ in parts:
         for column, count in nulled.items():
             result.nulled_values[column] = result.nulled_values.get(column, 0) + count
@@ -331,6 +331,23 @@ def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None
             result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + count
             result.invalid_records += count
     return result
+
+
+def _contiguous(tables: list[pyarrow.Table]) -> pyarrow.Table:
+    """The files' tables as one table of one chunk per column, built a column at a time while each file's
+    copy of it is let go (the peak is the table plus one column). One chunk lets a reader take a numpy
+    view of a column without nulls instead of a copy: at 10,000 ranks each float column is 80 MB."""
+    import pyarrow as pa
+
+    if len(tables) == 1:
+        return tables[0].combine_chunks()
+    names = tables[0].column_names
+    columns = []
+    for name in names:
+        columns.append(pa.concat_arrays([chunk for t in tables for chunk in t.column(name).chunks]))
+        tables[:] = [t.drop_columns([name]) for t in tables]  # in place: the caller's list lets go too
+    pa.default_memory_pool().release_unused()  # the parse's blocks: mimalloc keeps them otherwise
+    return pa.table(dict(zip(names, columns, strict=True)))
 
 
 # What the analyses and the report read of a stream, all together: the first reader reads them all, the

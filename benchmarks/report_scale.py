@@ -9,7 +9,8 @@ in headless Chromium; cost growing no faster than linearly in records.
 Each row's run is generated with tests/scalesynth.py's `gpu_plan` (every field watch writes on a CUDA
 rank, 8 ranks a host, memwatch's samples of every agent and rank each second with NVML figures, a
 comm-bench table; a straggler from mid-run, a rank whose host memory leaks 1 MiB/step, a rank whose
-reserved bytes grow 0.5 MiB/step; not timed), then `python -m ciuic_doctor report RUN --reanalyze
+reserved bytes grow 0.5 MiB/step — visible from ~800 steps on, where its growth clears the floor of 0.5 % of
+its ~63 GB; not timed), then `python -m ciuic_doctor report RUN --reanalyze
 --quiet` runs in a fresh process. Per row: wall and CPU seconds (user + system of that process, from
 wait4: the machine is shared, so wall time counts others' work too and the load average is printed
 with each row), peak RSS, report.html size, and which planted problem one finding names ("named": in

@@ -1,21 +1,30 @@
-"""How `ciuic-doctor report` (analyses included) scales with ranks — in one run, side by side.
+"""How `ciuic-doctor report` (analyses included) scales with ranks, on what watch, memwatch and comm-bench
+write on a GPU job — in one run, side by side.
 
-Goals (issue 15), at 1,024 ranks × 2,000 steps: report wall ≤ 30 s, peak RSS ≤ 2 GB, report.html ≤ 3 MB;
-a straggler planted from the middle of the run, a whole slow host and a leaking rank each named; cost
-growing no faster than linearly in ranks × steps.
+Goals (issue 25), on a 2-core machine stated with its load: 1,024 ranks × 2,000 steps ≤ 30 s wall, ≤ 2 GB
+peak RSS, report.html ≤ 3 MB, the straggler, the leaking rank and the reserved-memory grower each named
+in one finding and nothing else flagged; 10,000 ranks × 1,000 steps ≤ 120 s, ≤ 4 GB, the page readable
+in headless Chromium; cost growing no faster than linearly in records.
 
-For N = 8, 64, 256, 1024 ranks × 2,000 steps and 4,096 ranks × 500 steps, a run is generated with
-tests/scalesynth.py (watch's step records, DDP timing, 8 ranks a host; the generation is not timed),
-then `python -m ciuic_doctor report RUN --reanalyze --quiet` runs in a fresh process. Measured per row:
-wall and CPU seconds (user + system of that process, from wait4: on a machine shared with others the
-wall time also counts their work, so the load average is printed too), peak RSS, report.html size,
-findings, and whether each planted problem is named (in one finding, by rank or host) with nothing else
-flagged. The last columns divide CPU by rank-steps, and compare each row's CPU growth with its
-rank-step growth over the previous row (≤ 1.00: no faster than linear). `--compact` adds a row per size
-with the run compacted to Parquet first (`ciuic-doctor compact`; not timed).
+Each row's run is generated with tests/scalesynth.py's `gpu_plan` (every field watch writes on a CUDA
+rank, 8 ranks a host, memwatch's samples of every agent and rank each second with NVML figures, a
+comm-bench table; a straggler from mid-run, a rank whose host memory leaks 1 MiB/step, a rank whose
+reserved bytes grow 0.5 MiB/step — visible from ~800 steps on, where its growth clears the floor of 0.5 % of
+its ~63 GB; not timed), then `python -m ciuic_doctor report RUN --reanalyze
+--quiet` runs in a fresh process. Per row: wall and CPU seconds (user + system of that process, from
+wait4: the machine is shared, so wall time counts others' work too and the load average is printed
+with each row), peak RSS, report.html size, and which planted problem one finding names ("named": in
+exactly one warn/fail finding's where.ranks), with every other flagged check listed. The last
+columns: CPU µs per record (step records + memwatch samples) and each row's CPU growth over the
+previous row's, divided by its growth in records (≤ 1.00: no faster than linear).
 
-    .venv/bin/python benchmarks/report_scale.py                  # ~6 minutes on 2 idle cores
-    .venv/bin/python benchmarks/report_scale.py --sizes 8x2000,256x2000 --compact
+    .venv/bin/python benchmarks/report_scale.py --sizes 8x2000,64x2000,256x2000,1024x2000 --root /tmp/rs
+    .venv/bin/python benchmarks/report_scale.py --sizes 1024x2000,10000x1000 --root /tmp/rs --browser
+    .venv/bin/python benchmarks/report_scale.py --sizes 1024x2000 --profile-hang   # hang's share, cProfile
+    .venv/bin/python benchmarks/report_scale.py --cpu-only    # the issue-15 generator (no GPU fields)
+
+Runs are written under --root (default: a temporary folder; use /tmp, not the repository: 10,000 ranks
+is ~10 GB) and deleted after their row unless --keep.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -31,17 +41,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 
-GOAL_WALL_S, GOAL_RSS_BYTES, GOAL_HTML_BYTES = 30.0, 2e9, 3 * 2**20
-SIZES = ((8, 2000), (64, 2000), (256, 2000), (1024, 2000), (4096, 500))
+GOALS = {1024: (30.0, 2e9, 3 * 2**20), 10000: (120.0, 4e9, None)}  # wall s, peak RSS bytes, html bytes
+SIZES = ((8, 2000), (64, 2000), (256, 2000), (1024, 2000), (10000, 1000))
 
 
-def report(run: Path) -> tuple[float, float, int]:
+def report(run: Path, profile: Path | None = None) -> tuple[float, float, int]:
     """(wall s, CPU s, peak RSS bytes) of one `ciuic-doctor report` process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CIUIC_RUN_DIR", None)
-    argv = [sys.executable, "-m", "ciuic_doctor", "report", str(run), "--reanalyze", "--quiet"]
+    head = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
+    argv = [*head, "-m", "ciuic_doctor", "report", str(run), "--reanalyze", "--quiet"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -53,24 +64,73 @@ def report(run: Path) -> tuple[float, float, int]:
 
 
 def named(run: Path, plan) -> dict[str, object]:
-    """Which planted problems one finding names, and what else was flagged."""
+    """Which planted problems exactly one flagged finding names, and which other checks were flagged."""
     findings = json.loads((run / "findings.json").read_text())["findings"]
     flagged = [f for f in findings if f["verdict"] in ("warn", "fail")]
 
-    def names(check: str, key: str, value: object) -> bool | None:
+    def names(value: object, key: str = "ranks") -> tuple[bool | None, set[str]]:
         if value is None:
-            return None  # not planted (one or two hosts have no "other hosts" to compare with)
-        hits = [f for f in flagged if f["check"] == check and value in (f["where"].get(key) or [])]
-        return len(hits) == 1
+            return None, set()  # not planted
+        hits = [f for f in flagged if value in (f["where"].get(key) or [])]
+        return len(hits) == 1, {f["check"] for f in hits}
 
-    expected = {"straggler_onset", "slow_host", "memory_leak"}
+    seen = {
+        "straggler": names(plan.straggler_rank),
+        "leak": names(plan.leak_rank),
+        "grower": names(plan.grower_rank),
+        "slow_host": names(plan.slow_host_name, "hosts"),
+    }
+    expected = set().union(*(checks for _, checks in seen.values()))
     return {
         "findings": len(findings),
-        "straggler": names("straggler_onset", "ranks", plan.straggler_rank),
-        "slow_host": names("slow_host", "hosts", plan.slow_host_name),
-        "leak": names("memory_leak", "ranks", plan.leak_rank),
+        **{k: v[0] for k, v in seen.items()},
         "others": sorted({f["check"] for f in flagged} - expected),
     }
+
+
+def records_of(run: Path) -> int:
+    """Step records and memwatch samples: the lines of the streams that grow with ranks × time."""
+    total = 0
+    for path in [*run.glob("steps.rank*.jsonl"), run / "memwatch.jsonl"]:
+        if path.is_file():
+            with open(path, "rb") as fh:
+                total += sum(chunk.count(b"\n") for chunk in iter(lambda fh=fh: fh.read(1 << 24), b""))
+    return total
+
+
+def hang_share(profile: Path) -> str:
+    stats = pstats.Stats(str(profile))
+    total = max(v[3] for v in stats.stats.values())  # the outermost call's cumulative time
+    hang = [
+        v[3]
+        for (file, _, name), v in stats.stats.items()
+        if file.endswith("analysis/hang.py") and name == "analyze"
+    ]
+    spent = sum(hang)
+    return f"hang analysis under cProfile: {spent:.4f} s of {total:.1f} s ({100 * spent / total:.3f} %)"
+
+
+def browser(run: Path) -> str:
+    """Open report.html in headless Chromium: its DOM, and anything the page logged."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        return "chromium: not installed (scripts/ensure-browser.sh installs Debian's)"
+    with tempfile.TemporaryDirectory() as profile:
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--dump-dom",
+             (run / "report.html").as_uri()],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        wall = time.perf_counter() - t0
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+    plots = done.stdout.count('class="plot"')
+    return (
+        f"chromium: exit {done.returncode}, DOM {len(done.stdout) / 2**20:.2f} MiB in {wall:.1f} s, "
+        f"{plots} plot elements, {len(console)} console line(s)" + (f": {console[:3]}" if console else "")
+    )
 
 
 def main() -> None:
@@ -78,71 +138,65 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--sizes", help="RANKSxSTEPS,... (default: 8x2000,64x2000,256x2000,1024x2000,4096x500)"
+        "--sizes", help="RANKSxSTEPS,... (default: 8x2000,64x2000,256x2000,1024x2000,10000x1000)"
     )
-    parser.add_argument("--compact", action="store_true", help="also report on each run compacted to Parquet")
-    parser.add_argument("--keep", metavar="DIR", help="generate the runs here and keep them")
+    parser.add_argument("--root", help="where to generate the runs (default: a temporary folder)")
+    parser.add_argument("--keep", action="store_true", help="keep each generated run")
+    parser.add_argument("--cpu-only", action="store_true", help="the issue-15 generator: no GPU fields")
+    parser.add_argument("--browser", action="store_true", help="open each report.html in headless Chromium")
+    parser.add_argument(
+        "--profile-hang", action="store_true", help="run each report once more under cProfile"
+    )
     args = parser.parse_args()
-    import scalesynth
+    from tests import scalesynth
 
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")] if args.sizes else SIZES
-    root = Path(args.keep or tempfile.mkdtemp(prefix="ciuic-report-scale-"))
-    print(f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    header = (
-        f"{'ranks × steps':>13} {'streams':>9} {'wall s':>7} {'CPU s':>6} {'peak RSS':>9} {'html':>8} "
-        f"{'findings':>8}  straggler slow-host leak  others  {'CPU µs/rank-step':>16} {'growth':>6}"
+    root = Path(args.root or tempfile.mkdtemp(prefix="ciuic-report-scale-"))
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"{'ranks × steps':>14} {'records':>9} {'streams':>9} {'load':>5} {'wall s':>7} {'CPU s':>6} "
+        f"{'peak RSS':>9} {'html':>8} {'findings':>8}  straggler  leak grower slow-host  others  "
+        f"{'CPU µs/rec':>10} {'growth':>6}",
+        flush=True,
     )
-    print(header)
     previous: tuple[float, int] | None = None
-    rows = []
     for ranks, steps in sizes:
-        plan = scalesynth.Plan(ranks=ranks, steps=steps)
+        plan = (
+            scalesynth.Plan(ranks=ranks, steps=steps) if args.cpu_only else scalesynth.gpu_plan(ranks, steps)
+        )
         run = scalesynth.generate(root / f"r{ranks}x{steps}", plan)
         stream_bytes = sum(p.stat().st_size for p in run.glob("*.jsonl"))
-        variants = [("jsonl", run)]
-        if args.compact:
-            variants.append(("parquet", run))
-        for variant, path in variants:
-            if variant == "parquet":
-                done = subprocess.run(
-                    [sys.executable, "-m", "ciuic_doctor", "compact", str(path), "--quiet"],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
-                if done.returncode != 0:
-                    raise SystemExit(done.stderr)
-            wall, cpu, rss = report(path)
-            html = (path / "report.html").stat().st_size
-            seen = named(path, plan)
-            cells = ranks * steps
-            growth = (
-                ""
-                if previous is None or variant != "jsonl"
-                else f"{(cpu / previous[0]) / (cells / previous[1]):.2f}"
-            )
-            if variant == "jsonl":
-                previous = (cpu, cells)
-            label = f"{ranks} × {steps}" + (" pq" if variant == "parquet" else "")
-            yes = {True: "named", False: "MISSED", None: "n/a"}
-            print(
-                f"{label:>13} {stream_bytes / 2**20:7.0f} Mi {wall:7.1f} {cpu:6.1f} {rss / 2**20:6.0f} Mi "
-                f"{html / 2**20:5.2f} Mi {seen['findings']:8d}  {yes[seen['straggler']]:>9} "
-                f"{yes[seen['slow_host']]:>9} {yes[seen['leak']]:>5}  {','.join(seen['others']) or '-':>6}  "
-                f"{1e6 * cpu / cells:16.2f} {growth:>6}",
-                flush=True,
-            )
-            rows.append((ranks, steps, variant, wall, cpu, rss, html, seen))
+        records = records_of(run)
+        load = os.getloadavg()[0]
+        wall, cpu, rss = report(run)
+        html = (run / "report.html").stat().st_size
+        seen = named(run, plan)
+        growth = "" if previous is None else f"{(cpu / previous[0]) / (records / previous[1]):.2f}"
+        previous = (cpu, records)
+        yes = {True: "named", False: "MISSED", None: "n/a"}
+        print(
+            f"{ranks:>6} × {steps:<5} {records:>9} {stream_bytes / 2**20:6.0f} Mi {load:5.1f} {wall:7.1f} "
+            f"{cpu:6.1f} {rss / 2**20:6.0f} Mi {html / 2**20:5.2f} Mi {seen['findings']:8d}  "
+            f"{yes[seen['straggler']]:>9} {yes[seen['leak']]:>5} {yes[seen['grower']]:>6} "
+            f"{yes[seen['slow_host']]:>9}  {','.join(seen['others']) or '-':>6}  {1e6 * cpu / records:10.2f} "
+            f"{growth:>6}",
+            flush=True,
+        )
+        if ranks in GOALS:
+            goal_wall, goal_rss, goal_html = GOALS[ranks]
+            html_part = "" if goal_html is None else f", report.html {html / goal_html:.2f}"
+            print(f"    of the goal: wall {wall / goal_wall:.2f}, peak RSS {rss / goal_rss:.2f}{html_part}")
+        if args.browser:
+            print(f"    {browser(run)}", flush=True)
+        if args.profile_hang:
+            profile = root / f"r{ranks}x{steps}.prof"
+            report(run, profile)
+            print(f"    {hang_share(profile)}", flush=True)
         if not args.keep:
             shutil.rmtree(run)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
-    for ranks, steps, variant, wall, _, rss, html, _ in rows:
-        if (ranks, steps, variant) == (1024, 2000, "jsonl"):
-            print(
-                f"goals at 1,024 ranks: wall {wall / GOAL_WALL_S:.2f}, peak RSS {rss / GOAL_RSS_BYTES:.2f}, "
-                f"report.html {html / GOAL_HTML_BYTES:.2f} of the goal"
-            )
-    if not args.keep:
+    if not args.root and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
 
 

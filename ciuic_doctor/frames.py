@@ -10,11 +10,16 @@ line) 13.9 s / 5.0 s. Polars is as fast, but its `ignore_errors` nulls a wrong v
 dependency for both. The row reader (`RunDir.read`) stays for small streams and for code that wants
 whole records; this module sits beside it and does not change it.
 
-Bad content never raises, it is counted: a line that is not a JSON object (a torn last line after a crash)
-is dropped, and a value of the wrong type for its column (a string where a number belongs) becomes null —
-`TableRead.dropped_lines`, `TableRead.nulled_values`. Non-finite numbers, which the store writes as the
-strings "nan" / "inf", are read back as floats. pyarrow rejects a whole file on the first such line, so
-that file alone is read again line by line with `json.loads` (the rare path).
+Bad content never raises, it is counted, exactly as the row reader counts it: a line that is not a JSON
+object is dropped (`dropped_lines`), a record off its stream's schema is dropped and counted with its
+reason (`invalid_records`, `invalid_reasons`: `schemas.validate`'s words), and the stream's reader
+problems land in `RunDir.read_problems` for the `records_readable` finding. Validation is column-wise
+(`columnar_schema`): pyarrow parses each file with every schema field typed strictly, which is the
+type test `validate` makes of every record. A file that fails it (a "nan" string the store wrote for a
+non-finite float, a wrong type, a torn line in the middle) is read again record by record with
+`json.loads` and `validate` (the rare path); a torn *last* line is read apart, so a crashed rank's file
+stays on the fast path. A free field's value of the wrong type for its column becomes null
+(`nulled_values`).
 
 >>> import tempfile, pathlib
 >>> folder = pathlib.Path(tempfile.mkdtemp())
@@ -27,8 +32,8 @@ that file alone is read again line by line with `json.loads` (the rare path).
 
 from __future__ import annotations
 
+import io
 import json
-import math
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,27 +41,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor import columnar_schema
+from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
+from ciuic_doctor.store import RunDir, StreamRead, _open_regular
+
 if TYPE_CHECKING:
     import pandas
     import pyarrow
+    import pyarrow.json
 
-    from ciuic_doctor.store import RunDir
+__all__ = [
+    "COLUMN_TYPES",
+    "TableRead",
+    "arrow_type",
+    "read_records",
+    "read_stream",
+    "read_table",
+    "schema_for",
+]
 
-# Column types of the fields the analyses read; a column not named here is read as float64.
-COLUMN_TYPES = {
-    "schema": "int64",
-    "t": "float64",
-    "host": "string",
-    "rank": "int64",
-    "step": "int64",
-    "pid": "int64",
-    "role": "string",
-    "kind": "string",
-    "skipped": "bool",
-    "desync_ranks": "list<int64>",
-    "grad_norm_source": "string",
-}
 MAX_THREADS = 8
+BIG_FILE_BYTES = 64 << 20  # one file this big (memwatch.jsonl of a whole job) is parsed with threads
+BLOCK_BYTES = 16 << 20
 
 
 @dataclass(kw_only=True)
@@ -67,6 +73,8 @@ class TableRead:
     files: list[Path] = field(default_factory=list)
     dropped_lines: int = 0
     nulled_values: dict[str, int] = field(default_factory=dict)
+    invalid_records: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
     parquet_files: int = 0
 
     def frame(self) -> pandas.DataFrame:
@@ -84,96 +92,168 @@ class TableRead:
             files=self.files,
             dropped_lines=self.dropped_lines,
             nulled_values=self.nulled_values,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
             parquet_files=self.parquet_files,
         )
 
-
-def arrow_type(column: str) -> pyarrow.DataType:
-    import pyarrow as pa
-
-    name = COLUMN_TYPES.get(column, "float64")
-    if name == "list<int64>":
-        return pa.list_(pa.int64())
-    return {"int64": pa.int64(), "float64": pa.float64(), "string": pa.string(), "bool": pa.bool_()}[name]
-
-
-def schema_for(columns: Sequence[str]) -> pyarrow.Schema:
-    import pyarrow as pa
-
-    return pa.schema([(c, arrow_type(c)) for c in columns])
+    def problems(self) -> str | None:
+        """What was skipped, in the row reader's words (`StreamRead.problems`); None when nothing was."""
+        return StreamRead(
+            skipped_lines=self.dropped_lines,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
+        ).problems()
 
 
 # ---- one file ------------------------------------------------------------------------------------
-def _coerce(value: Any, kind: str) -> tuple[Any, bool]:
-    """(value as the column's type, whether it had to be nulled). None stays None and is not counted."""
-    if value is None:
-        return None, False
-    if kind == "float64":
-        if isinstance(value, bool):
-            return None, True
-        if isinstance(value, int | float):
-            return float(value), False
-        if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf", "infinity", "-infinity"):
-            return float(value), False
-        return None, True
-    if kind == "int64":
-        if isinstance(value, bool):
-            return None, True
-        if isinstance(value, int):
-            return value, False
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            return int(value), False
-        return None, True
-    if kind == "string":
-        return (value, False) if isinstance(value, str) else (None, True)
-    if kind == "bool":
-        return (value, False) if isinstance(value, bool) else (None, True)
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return value, False
-    return None, True
+Part = tuple["pyarrow.Table", int, dict[str, int], dict[str, int]]  # table, dropped, nulled, invalid
 
 
-def _read_lines(path: Path, columns: Sequence[str]) -> tuple[pyarrow.Table, int, dict[str, int]]:
-    """The slow, forgiving path: json.loads per line, each value coerced to its column's type."""
+def _rows(lines: Iterable[bytes], columns: Sequence[str], stream: str | None) -> Part:
+    """The slow, forgiving path, record by record as `store.read_jsonl` reads: a line that is not a JSON
+    object is dropped, a record `schemas.validate` refuses is dropped and counted with its reason, and
+    each value kept is coerced to its column's type (a free field's wrong value nulled and counted)."""
     import pyarrow as pa
+
+    from ciuic_doctor.schemas import validate
 
     kinds = [COLUMN_TYPES.get(c, "float64") for c in columns]
     values: list[list[Any]] = [[] for _ in columns]
-    dropped, nulled = 0, dict.fromkeys(columns, 0)
-    with open(path, "rb") as fh:
-        for raw in fh:
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                dropped += 1
-                continue
-            if not isinstance(record, dict):
-                dropped += 1
-                continue
-            for column, kind, out in zip(columns, kinds, values, strict=True):
-                value, bad = _coerce(record.get(column), kind)
-                out.append(value)
-                nulled[column] += bad
+    dropped, nulled, invalid = 0, dict.fromkeys(columns, 0), {}
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            dropped += 1
+            continue
+        if not isinstance(record, dict):
+            dropped += 1
+            continue
+        reason = validate(stream, record) if stream else None
+        if reason is not None:
+            invalid[reason] = invalid.get(reason, 0) + 1
+            continue
+        for column, kind, out in zip(columns, kinds, values, strict=True):
+            value, bad = _coerce(record.get(column), kind)
+            out.append(value)
+            nulled[column] += bad
     schema = schema_for(columns)
     table = pa.table(
         {c: pa.array(v, type=schema.field(c).type) for c, v in zip(columns, values, strict=True)}
     )
-    return table, dropped, {c: n for c, n in nulled.items() if n}
+    return table, dropped, {c: n for c, n in nulled.items() if n}, invalid
 
 
-def _read_jsonl(path: Path, columns: Sequence[str]) -> tuple[pyarrow.Table, int, dict[str, int]]:
+def _read_rows(path: Path, columns: Sequence[str], stream: str | None) -> Part:
+    with os.fdopen(_open_regular(path), "rb") as fh:
+        return _rows(fh, columns, stream)
+
+
+class _Prefix(io.RawIOBase):
+    """The first `size` bytes of a file, for pyarrow to read block by block (a torn tail left out)."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self._fh = os.fdopen(_open_regular(path), "rb")
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        want = min(len(buffer), self._left)
+        if want <= 0:
+            return 0
+        data = self._fh.read(want)
+        buffer[: len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
+def _layout(path: Path) -> tuple[int, int, bytes]:
+    """(bytes of whole lines, newlines among them, the torn last line after them): one sequential read in
+    16 MiB pieces (no file-sized buffer, no mapping whose pages would count as our memory). A line a
+    crash left without its newline is read apart, so it cannot send the whole file down the slow path."""
+    lines, size, last = 0, 0, -1
+    with os.fdopen(_open_regular(path), "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            lines += chunk.count(b"\n")
+            if (at := chunk.rfind(b"\n")) >= 0:
+                last = size + at
+            size += len(chunk)
+        cut = last + 1
+        fh.seek(cut)
+        tail = fh.read()
+    return cut, lines, tail
+
+
+def _read_jsonl(path: Path, columns: Sequence[str], stream: str | None) -> Part:
+    """pyarrow's JSON reader with every field of the stream's schema typed strictly: a parse that succeeds,
+    with as many records as lines, has validated every record column-wise (`columnar_schema`). Anything
+    else sends the file to `_read_rows`, which judges each record as the row reader does."""
     import pyarrow as pa
     import pyarrow.json as pj
 
-    parse = pj.ParseOptions(explicit_schema=schema_for(columns), unexpected_field_behavior="ignore")
+    plan = columnar_schema.plan(stream, columns)
+    if plan is None:
+        return _read_rows(path, columns, stream)
+    whole, lines, tail = _layout(path)
+    parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
+    source = str(path) if not tail else _Prefix(path, whole)
     try:
-        # one thread per file: the files themselves are read in parallel (read_files)
-        table = pj.read_json(path, read_options=pj.ReadOptions(use_threads=False), parse_options=parse)
-    except pa.ArrowInvalid:  # a torn line, a "nan" string, a wrong type: this file takes the slow path
-        return _read_lines(path, columns)
-    return table.select(list(columns)), 0, {}
+        if whole > BIG_FILE_BYTES:  # one big file (memwatch.jsonl of a whole job): block by block
+            parsed = _blocks(source, parse, plan)
+        else:  # one thread a file: the files themselves are read in parallel (read_table)
+            table = pj.read_json(source, read_options=pj.ReadOptions(use_threads=False), parse_options=parse)
+            parsed = (table.num_rows, plan.valid(table), *plan.conform(table))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return _read_rows(path, columns, stream)
+    finally:
+        if not isinstance(source, str):
+            source.close()
+    rows, valid, out, nulled = parsed
+    # two records on one line parse as two rows here and as one bad line there: the counts must agree
+    if rows != lines or not valid:
+        return _read_rows(path, columns, stream)
+    if not tail.strip():
+        return out, 0, nulled, {}
+    part, dropped, more, invalid = _rows([tail], columns, stream)
+    for column, count in more.items():
+        nulled[column] = nulled.get(column, 0) + count
+    return pa.concat_tables([out, part]), dropped, nulled, invalid
+
+
+def _blocks(
+    source: str | _Prefix, parse: pyarrow.json.ParseOptions, plan: columnar_schema.ReadPlan
+) -> tuple[int, bool, pyarrow.Table, dict[str, int]]:
+    """A big file parsed BLOCK_BYTES at a time, each block checked and cut to the asked-for columns
+    before the next: the whole file parsed at once held every schema column of 2 M samples (~1.2 GB
+    for a 1,024-rank job's memwatch.jsonl, most of it kept by the allocator afterwards)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    reader = pj.open_json(source, read_options=pj.ReadOptions(block_size=BLOCK_BYTES), parse_options=parse)
+    rows, valid, parts, nulled = 0, True, [], {}
+    for batch in reader:
+        block = pa.Table.from_batches([batch])
+        rows += block.num_rows
+        valid = valid and plan.valid(block)
+        if not valid:
+            break
+        part, more = plan.conform(block)
+        parts.append(part)
+        for column, count in more.items():
+            nulled[column] = nulled.get(column, 0) + count
+    out = pa.concat_tables(parts) if parts else schema_for(plan.columns).empty_table()
+    pa.default_memory_pool().release_unused()
+    return rows, valid, out, nulled
 
 
 def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
@@ -212,47 +292,79 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
     return pa.table(out)
 
 
-def _read_one(path: Path, columns: Sequence[str]) -> tuple[pyarrow.Table, int, dict[str, int], bool]:
+def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[Part, bool]:
     from ciuic_doctor.parquet_store import fresh_parquet, skipped_lines
 
     parquet = fresh_parquet(path) if path.suffix == ".jsonl" else None
-    if parquet is not None:  # the torn lines compact skipped still count as dropped
-        return _read_parquet(parquet, columns), skipped_lines(parquet), {}, True
-    return (*_read_jsonl(path, columns), False)
+    if parquet is not None:  # compact kept only valid records; the torn lines it skipped still count
+        return (_read_parquet(parquet, columns), skipped_lines(parquet), {}, {}), True
+    return _read_jsonl(path, columns, stream), False
 
 
-def read_table(files: Iterable[Path], columns: Sequence[str]) -> TableRead:
-    """`columns` of every record in `files` (file order, then line order), files read in parallel."""
-    import pyarrow as pa
+def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None = None) -> TableRead:
+    """`columns` of every valid record in `files` (file order, then line order), files read in parallel.
+    `stream` names the schema the records must fit (default: the stream the first file's name says)."""
+
+    from ciuic_doctor.schemas import stream_of
 
     files = list(files)
     columns = list(dict.fromkeys(columns))
+    if stream is None and files:
+        stream = stream_of(files[0].name)
     threads = max(1, min(MAX_THREADS, len(files), (os.cpu_count() or 1) * 2))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        parts = list(pool.map(lambda f: _read_one(f, columns), files))
+        parts = list(pool.map(lambda f: _read_one(f, columns, stream), files))
     if not parts:
         return TableRead(table=schema_for(columns).empty_table())
+    tables = [p[0][0] for p in parts]
+    parts = [((None, *p[0][1:]), p[1]) for p in parts]  # the tables only in `tables`, let go column by column
     result = TableRead(
-        table=pa.concat_tables([p[0] for p in parts]),
+        table=_contiguous(tables),
         files=files,
-        dropped_lines=sum(p[1] for p in parts),
-        parquet_files=sum(p[3] for p in parts),
+        dropped_lines=sum(p[0][1] for p in parts),
+        parquet_files=sum(p[1] for p in parts),
     )
-    for _, _, nulled, _ in parts:
+    for (_, _, nulled, invalid), _ in parts:
         for column, count in nulled.items():
             result.nulled_values[column] = result.nulled_values.get(column, 0) + count
+        for reason, count in invalid.items():
+            result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + count
+            result.invalid_records += count
     return result
 
 
+def _contiguous(tables: list[pyarrow.Table]) -> pyarrow.Table:
+    """The files' tables as one table of one chunk per column, built a column at a time while each file's
+    copy of it is let go (the peak is the table plus one column). One chunk lets a reader take a numpy
+    view of a column without nulls instead of a copy: at 10,000 ranks each float column is 80 MB."""
+    import pyarrow as pa
+
+    if len(tables) == 1:
+        return tables[0].combine_chunks()
+    names = tables[0].column_names
+    columns = []
+    for name in names:
+        columns.append(pa.concat_arrays([chunk for t in tables for chunk in t.column(name).chunks]))
+        tables[:] = [t.drop_columns([name]) for t in tables]  # in place: the caller's list lets go too
+    pa.default_memory_pool().release_unused()  # the parse's blocks: mimalloc keeps them otherwise
+    return pa.table(dict(zip(names, columns, strict=True)))
+
+
 # What the analyses and the report read of a stream, all together: the first reader reads them all, the
-# others take their columns from the cached table (one parse of a 610 MiB run instead of four).
+# others take their columns from the cached table (one parse of a 1.2 GB run instead of five).
 STREAM_COLUMNS = {
     "steps": (
         *("rank", "step", "t", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks"),
         *("loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm", "rss", "uss"),
         *("mem_allocated", "mem_reserved", "mem_active_peak", "alloc_retries", "inactive_split_bytes"),
-    )
+        *("loss_scale_next", "optimizer"),
+    ),
+    "memwatch": (
+        *("t", "host", "pid", "role", "rank", "rss", "anon", "uss", "pss"),
+        *("gpu_bytes", "gpu_total_bytes", "sys_available_bytes"),
+    ),
 }
+CACHED_STREAMS = 2  # steps and memwatch, the two streams that grow with ranks × time
 _CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
 
 
@@ -269,22 +381,63 @@ def _stamp(files: list[Path]) -> tuple:
 
 
 def clear_cache() -> None:
-    """Forget the cached table (tests that rewrite a stream within one second of reading it)."""
+    """Forget the cached tables (tests that rewrite a stream within one second of reading it)."""
     _CACHE.clear()
 
 
 def read_stream(run: RunDir, stream: str, columns: Sequence[str]) -> TableRead:
-    """`columns` of every record of `stream` (shared file first, then per-rank files in rank order).
+    """`columns` of every valid record of `stream` (shared file first, then per-rank files in rank order);
+    what the reader skipped goes to `run.read_problems[stream]`, in the row reader's words.
 
     The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
-    the report of one `ciuic-doctor report` parse it once; only the last stream read is kept."""
+    the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept."""
     files = run.stream_files(stream)
     key, stamp = (str(run.path.resolve()), stream), _stamp(files)
     cached = _CACHE.get(key)
     if cached is not None and cached[0] == stamp and set(columns) <= set(cached[1].table.column_names):
-        return cached[1].select(columns)
-    wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]
-    read = read_table(files, wanted)
-    _CACHE.clear()
-    _CACHE[key] = (stamp, read)
+        read = cached[1]
+    else:
+        _CACHE.pop(key, None)
+        read = read_table(files, [*columns, *STREAM_COLUMNS.get(stream, ())], stream)
+        while len(_CACHE) >= CACHED_STREAMS:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (stamp, read)
+    _note_problems(run, stream, read)
     return read.select(columns)
+
+
+def _note_problems(run: RunDir, stream: str, read: TableRead) -> None:
+    problems = "; ".join(p for p in (run._irregular.get(stream), read.problems()) if p)
+    if problems:
+        run.read_problems[stream] = problems
+
+
+def read_records(run: RunDir, stream: str) -> list[dict[str, Any]]:
+    """Every valid record of a small stream whose records nest (comm's per-rank times, the loader's
+    worker lists, checkpoint fingerprints, memwatch's process events), as dicts: the row reader, whose
+    validation the columnar path matches (tests/test_frames_validation.py). These streams hold a table
+    of sizes or a sweep, tens to thousands of lines at any job size; a stream that grows with ranks ×
+    time (steps, memwatch samples) is read with `read_stream`."""
+    if not run.has_stream(stream):
+        return []
+    return run.read(stream).records
+
+
+def last_per_rank(run: RunDir, stream: str, columns: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Each rank's record with the highest `step` (the later one on a tie), `columns` of it only: the
+    hang analysis's "last step record" without reading 2 M records into dicts."""
+    import pyarrow.compute as pc
+
+    wanted = list(dict.fromkeys(["rank", "step", *columns]))
+    table = read_stream(run, stream, wanted).table
+    table = table.filter(pc.is_valid(table["rank"]))
+    if not table.num_rows:
+        return {}
+    import numpy as np
+
+    rank = table["rank"].to_numpy()
+    step = table["step"].fill_null(0).to_numpy()
+    order = np.lexsort((np.arange(len(rank)), step, rank))  # by rank, then step, then position
+    last = order[np.r_[rank[order][1:] != rank[order][:-1], True]]
+    rows = table.take(last).to_pylist()
+    return {row["rank"]: {k: v for k, v in row.items() if k in wanted} for row in rows}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ciuic_doctor.frames import last_per_rank
 from ciuic_doctor.store import RunDir
 
 _RANK = re.compile(r"^hang\.rank(\d+)\.(json|armed\.json|last\.json|fatal\.txt)$")
@@ -97,18 +98,9 @@ def load(run: RunDir) -> HangFiles:
             entries = read_flight_recorder(run.path / seen["fr_file"], files.problems)
             if entries is not None:
                 files.fr_entries[rank] = entries
-    if run.has_stream("steps"):
-        for record in run.read("steps").records:
-            rank = record.get("rank")
-            if isinstance(rank, int) and (
-                rank not in files.last_steps or _later(record, files.last_steps[rank])
-            ):
-                files.last_steps[rank] = record
+    if run.has_stream("steps"):  # each rank's last step record, column-wise (not 2 M dicts)
+        files.last_steps = last_per_rank(run, "steps", ("t", "host"))
     return files
-
-
-def _later(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (a.get("step") or 0) >= (b.get("step") or 0)
 
 
 def read_flight_recorder(path: Path, problems: list[str]) -> list[dict[str, Any]] | None:

@@ -45,6 +45,13 @@ class Plan:
     backward_s: float = 0.55  # backward + gradient all-reduce
     noise_pct: float = 2.0  # per-step jitter of a rank's pace (σ)
     seed: int = 7
+    # what a CUDA job writes on top (tests/gpusynth.py): allocator fields, USS every 10th step, ...
+    gpu: bool = False
+    reserved_grower: bool = False  # one rank whose allocator cache grows while allocated stays flat
+    grower_mib_per_step: float = 0.5
+    memwatch: bool = False  # memwatch's samples of every host's agent and ranks, NVML figures included
+    memwatch_interval_s: float = 1.0
+    comm: bool = False  # a comm-bench table of the job's world
 
     def host_of(self, rank: int) -> str:
         return f"node-{rank // self.ranks_per_host:03d}"
@@ -67,14 +74,28 @@ class Plan:
         return self.ranks // 3 + 1 if self.leak else None
 
     @property
+    def grower_rank(self) -> int | None:
+        return (self.ranks * 5) // 6 + 1 if self.reserved_grower and self.gpu else None
+
+    @property
     def slow_host_ranks(self) -> list[int]:
         name = self.slow_host_name
         return [r for r in range(self.ranks) if self.host_of(r) == name] if name else []
 
 
+def gpu_plan(ranks: int, steps: int) -> Plan:
+    """What watch, memwatch and comm-bench write on a CUDA job, with a straggler from mid-run, a leaking
+    rank and a reserved-memory grower planted (no slow host: the issue 25 benchmark's job)."""
+    return Plan(
+        ranks=ranks, steps=steps, gpu=True, reserved_grower=True, memwatch=True, comm=True, slow_host=False
+    )
+
+
 def generate(path: Path, plan: Plan) -> Path:
     """Write steps.rank<R>.jsonl for every rank of `plan` (and a meta.json) into `path`."""
     import numpy as np
+
+    from tests import gpusynth
 
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(plan.seed)
@@ -98,6 +119,14 @@ def generate(path: Path, plan: Plan) -> Path:
         uss = rss - 1.5e9
         rank_loss = loss + rng.normal(0, 0.02, plan.steps)
         grad = 1.1 + rng.normal(0, 0.05, plan.steps)
+        if plan.gpu:
+            columns = {
+                "t": t, "step_time_s": step_time + jitter, "pre_backward_s": pace[rank], "loss": rank_loss,
+                "lr": lr, "grad_norm": 0.5 * grad, "rss": rss, "uss": uss,  # below clip_max_norm 1.0
+            }  # fmt: skip
+            text = gpusynth.step_lines(plan, rank, columns, rng)
+            (path / f"steps.rank{rank}.jsonl").write_text(text)
+            continue
         lines = []
         for i, step in enumerate(steps.tolist()):
             checksum = (
@@ -113,6 +142,15 @@ def generate(path: Path, plan: Plan) -> Path:
                 f'"rss":{int(rss[i])},"uss":{int(uss[i])}{checksum}}}\n'
             )
         (path / f"steps.rank{rank}.jsonl").write_text("".join(lines))
+
+    def ends_of(rank: int) -> np.ndarray:
+        return T0 + np.cumsum(step_time) + rank * 1e-4
+
+    def rss_of(rank: int, step: np.ndarray) -> np.ndarray:
+        leak = plan.leak_mib_per_step * MIB * step if rank == plan.leak_rank else 0.0
+        return 9e9 + rank * 1e5 + 4 * MIB + leak
+
+    gpusynth.write_streams(path, plan, ends_of, rss_of, rng)
     meta = {
         "schema": 1,
         "run": path.name,
@@ -121,5 +159,11 @@ def generate(path: Path, plan: Plan) -> Path:
         "source": "tests/scalesynth.py",
         "probes": {"watch": {"status": "ok"}},
     }
+    if plan.gpu:
+        meta["env"] = {"devices": [{"name": "H100", "total_memory_bytes": gpusynth.DEVICE_TOTAL_BYTES}]}
+    if plan.memwatch:
+        meta["probes"]["memwatch"] = {"status": "ok"}
+    if plan.comm:
+        meta["probes"]["comm-bench"] = {"status": "ok", "config": {}}
     (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return path

@@ -123,21 +123,30 @@ def test_merge_refuses_one_rank_from_two_nodes(run, tmp_path):
     assert run_cli("merge", str(a), str(a), "--out", str(full), timeout=60).returncode == 2
 
 
-def test_columnar_reader_drops_torn_lines_and_nulls_wrong_types(tmp_path):
+def test_columnar_reader_drops_torn_lines_and_off_schema_records(tmp_path):
+    """As the row reader does (issue 25): a record off the steps schema is dropped and counted with its
+    reason, not kept with the bad value nulled; a free field's wrong value is nulled and counted."""
     file = tmp_path / "steps.rank0.jsonl"
     lines = [
-        {"rank": 0, "step": 1, "step_time_s": 0.5, "host": "h"},
+        {"rank": 0, "step": 1, "step_time_s": 0.5, "host": "h", "free": 2.5},
         {"rank": 0, "step": "two", "step_time_s": 0.5, "host": "h"},  # a string where an int belongs
         {"rank": 0, "step": 3, "step_time_s": [0.5], "host": 7},  # a list and a number, wrong
-        {"rank": 0, "step": 4.0, "step_time_s": "inf", "host": "h"},  # 4.0 is a whole step; "inf" a float
+        {"rank": 0, "step": 4.0, "step_time_s": "inf", "host": "h"},  # 4.0 is a float, not a step number
+        {"rank": 0, "step": 5, "step_time_s": "inf", "host": "h", "free": "x"},  # "inf" is a float
     ]
     file.write_text("".join(json.dumps(r) + "\n" for r in lines) + "[1, 2]\n" + '{"rank": 0, "ste')
-    read = frames.read_table([file], ("rank", "step", "step_time_s", "host"))
-    assert read.table.column("step").to_pylist() == [1, None, 3, 4]
-    assert read.table.column("step_time_s").to_pylist() == [0.5, 0.5, None, float("inf")]
-    assert read.table.column("host").to_pylist() == ["h", "h", None, "h"]
+    read = frames.read_table([file], ("rank", "step", "step_time_s", "host", "free"))
+    assert read.table.column("step").to_pylist() == [1, 5]
+    assert read.table.column("step_time_s").to_pylist() == [0.5, float("inf")]
+    assert read.table.column("free").to_pylist() == [2.5, None]
     assert read.dropped_lines == 2  # a JSON array is not a record; the torn line is not JSON
-    assert read.nulled_values == {"step": 1, "step_time_s": 1, "host": 1}
+    assert read.invalid_records == 3
+    assert read.invalid_reasons == {
+        "step: expected int, got str": 1,
+        "step_time_s: expected null or number, got list": 1,
+        "step: expected int, got number": 1,
+    }
+    assert read.nulled_values == {"free": 1}
 
 
 def test_columnar_reader_keeps_file_order_across_threads(tmp_path):

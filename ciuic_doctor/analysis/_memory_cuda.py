@@ -12,68 +12,56 @@ GPU memory available for PyTorch" (PyTorch docs) — it returns cached blocks to
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
+from dataclasses import dataclass
 from typing import Any
 
+from ciuic_doctor.analysis._memory_batch import steps_fits
+from ciuic_doctor.analysis._memory_cuda_figures import Fragmentation, fragmentation_figures, non_pytorch_fits
 from ciuic_doctor.analysis._memory_data import (
     MIB,
     MIN_POINTS,
     PROBE,
-    WARMUP_STEPS,
-    Series,
     _Data,
-    _grows,
     _not_run,
     _slope_evidence,
-    _trend,
 )
 from ciuic_doctor.analysis._memory_ranks import one_per_job
 from ciuic_doctor.analysis._trend import robust_trend
 from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import as_float
 
 EXPANDABLE = "expandable_segments:True"
+
+
+@dataclass(kw_only=True)
+class _Last:
+    """What a non-PyTorch finding says of a rank's series: its last value and host."""
+
+    y_end: float
+    host: str | None
+
+
 NON_PYTORCH_MIN_BYTES = 64 * MIB  # NCCL grows in whole buffers (4 MiB default per channel and peer)
 UNUSED_CACHE_FRACTION = 0.25
 UNUSED_CACHE_MIN_BYTES = 2**30
 
 
-def _steady(data: _Data, rank: int) -> list[dict[str, Any]]:
-    """The rank's step records after warm-up that carry CUDA allocator fields."""
-    records = [r for r in data.steps.get(rank, []) if as_float(r.get("mem_reserved")) is not None]
-    if not records:
-        return []
-    first = min(float(r["step"]) for r in records)
-    return [r for r in records if float(r["step"]) >= first + WARMUP_STEPS] or records
+def _num(value: float) -> float | None:
+    """A grouped median as the row code had it: None where the rank had no value."""
+    return None if math.isnan(value) else float(value)
 
 
-def _median(records: list[dict[str, Any]], key: str) -> float | None:
-    values = [v for r in records if (v := as_float(r.get(key))) is not None]
-    return statistics.median(values) if values else None
-
-
-def _retries(records: list[dict[str, Any]]) -> int:
-    """num_alloc_retries is a counter since process start: its last value when it never decreases,
-    else (a per-step figure) the sum."""
-    values = [int(v) for r in records if (v := as_float(r.get("alloc_retries"))) is not None]
-    if not values:
-        return 0
-    monotone = all(b >= a for a, b in itertools.pairwise(values))
-    return values[-1] if monotone else sum(values)
-
-
-def _fragmentation(data: _Data, rank: int) -> tuple[Finding, dict[str, Any]]:
-    records = _steady(data, rank)
-    reserved, allocated = _median(records, "mem_reserved"), _median(records, "mem_allocated")
-    peak = _median(records, "mem_active_peak")
-    unused = None if peak is None or reserved is None else max(0.0, reserved - peak)
-    retries = _retries(data.steps.get(rank, []))
+def _fragmentation(figures: Fragmentation, i: int, host: str | None) -> tuple[Finding, dict[str, Any]]:
+    """One rank's fragmentation judgement from its grouped figures (`fragmentation_figures`)."""
+    rank = figures.ranks[i]
+    reserved = float(figures.reserved[i])
+    allocated, peak = _num(figures.allocated[i]), _num(figures.peak[i])
+    unused = None if peak is None else max(0.0, reserved - peak)
+    retries = int(figures.retries[i])
     evidence = {
         "reserved_minus_allocated_bytes": None if allocated is None else round(reserved - allocated),
         "reserved_minus_peak_bytes": None if unused is None else round(unused),
-        "inactive_split_bytes": _median(records, "inactive_split_bytes"),
+        "inactive_split_bytes": _num(figures.inactive_split[i]),
         "alloc_retries": retries,
         "reserved_bytes": round(reserved),
         "allocated_bytes": None if allocated is None else round(allocated),
@@ -85,7 +73,6 @@ def _fragmentation(data: _Data, rank: int) -> tuple[Finding, dict[str, Any]]:
         problems.append(f"{retries} allocator retries (cache flushed after a failed cudaMalloc)")
     if unused is not None and unused >= UNUSED_CACHE_MIN_BYTES and unused >= UNUSED_CACHE_FRACTION * reserved:
         problems.append(f"{unused / 2**30:.1f} GiB reserved beyond the step's peak ({unused / reserved:.0%})")
-    host = data.steps.host(rank)
     where = {"rank": rank, **({"host": host} if host else {})}
     if problems:
         evidence["suggested_alloc_conf"] = EXPANDABLE
@@ -105,58 +92,33 @@ def _fragmentation(data: _Data, rank: int) -> tuple[Finding, dict[str, Any]]:
     ), evidence
 
 
-def _non_pytorch_series(data: _Data, rank: int) -> Series | None:
-    """NVML bytes − reserved at each memwatch sample, reserved from the rank's last step before it."""
-    import bisect
-
-    steps = [r for r in data.steps.get(rank, []) if as_float(r.get("mem_reserved")) is not None]
-    samples = [s for s in data.rank_samples(rank) if s.get("gpu_bytes") is not None]
-    if len(steps) < 2 or not samples:
-        return None
-    step_t = [float(r["t"]) for r in steps]
-    times, diffs = [], []
-    for sample in samples:
-        index = bisect.bisect_right(step_t, sample["t"]) - 1
-        if index >= 0:  # a sample after the last step maps to NaN below and is dropped
-            times.append(sample["t"])
-            diffs.append(sample["gpu_bytes"] - float(steps[index]["mem_reserved"]))
-    x = data.step_of(rank, times) or []
-    keep = [(a, b) for a, b in zip(x, diffs, strict=False) if not math.isnan(a)]  # NaN: after the last step
-    return Series(
-        x=[a for a, _ in keep],
-        y=[b for _, b in keep],
-        x_unit="step",
-        metric="nvml_minus_reserved_bytes",
-        source="memwatch+steps",
-        pid=samples[0]["pid"],
-        host=samples[0].get("host"),
-    )
-
-
 def _non_pytorch(data: _Data) -> tuple[Finding, list[int]]:
     """The job's one non_pytorch_device_memory finding (growing ranks first, steepest first) and the
-    growing ranks in rank order."""
-    has_gpu = any(s.get("gpu_bytes") is not None for s in data.samples)
-    if not has_gpu:
+    growing ranks in rank order. Every rank's NVML − reserved series is built and fitted in one grouped
+    pass (`_memory_batch.non_pytorch_fits`)."""
+    if not data.memwatch.has("gpu_bytes"):
         why = f"no per-process GPU memory from NVML ({data.gpu_absent_reason()})"
         return _not_run("non_pytorch_device_memory", why), []
+    batch = non_pytorch_fits(data)
+    fits = batch.fits
+    grows_all = fits.grows(NON_PYTORCH_MIN_BYTES)
     findings, growing = [], []
-    for rank in data.ranks():
-        series = _non_pytorch_series(data, rank)
-        if series is None or len(series.x) < MIN_POINTS:
+    for i, rank in enumerate(fits.ranks):
+        if batch.points[i] < MIN_POINTS:
             why = f"rank {rank}: needs NVML samples and watch's steps (mem_reserved) in the same RUN"
             findings.append(_not_run("non_pytorch_device_memory", why, where={"rank": rank}))
             continue
-        trend = _trend(series)
+        trend = fits.trends.trend(i)
         if trend is None:
             why = f"rank {rank}: too few steps after warm-up"
             findings.append(_not_run("non_pytorch_device_memory", why, where={"rank": rank}))
             continue
-        grows = _grows(trend, NON_PYTORCH_MIN_BYTES)
-        level = statistics.median(series.y)
+        series = _Last(y_end=float(batch.last[i]), host=fits.host[i])
+        grows = bool(grows_all[i])
+        level = float(batch.level[i])
         evidence = {
             "bytes": round(level),
-            "bytes_end": round(series.y[-1]),
+            "bytes_end": round(series.y_end),
             "growing": grows,
             "slope": round(trend.slope, 1),
             "slope_unit": "bytes_per_step",
@@ -166,7 +128,7 @@ def _non_pytorch(data: _Data) -> tuple[Finding, list[int]]:
             growing.append(rank)
             summary = (
                 f"rank {rank}: memory outside PyTorch's allocator grows {trend.slope / MIB:.2f} MiB/step "
-                f"(now {series.y[-1] / MIB:.0f} MiB): the NCCL-buffer claim holds here; empty_cache cannot "
+                f"(now {series.y_end / MIB:.0f} MiB): the NCCL-buffer claim holds here; empty_cache cannot "
                 "free it"
             )
         else:
@@ -194,16 +156,19 @@ def _non_pytorch(data: _Data) -> tuple[Finding, list[int]]:
     return one, growing
 
 
-def _reserved_growing(data: _Data, rank: int) -> bool:
-    x, y = data.steps_field(rank, "mem_reserved")
-    ax, ay = data.steps_field(rank, "mem_allocated")
-    reserved = _trend(Series(x=x, y=y, x_unit="step", metric="mem_reserved", source="steps"))
-    allocated = robust_trend(ax, ay) if len(ax) >= MIN_POINTS else None
-    return (
-        reserved is not None
-        and _grows(reserved, NON_PYTORCH_MIN_BYTES)
-        and (allocated is None or allocated.slope < 0.5 * reserved.slope)
-    )
+def _reserved_growing(data: _Data, ranks: list[int]) -> list[int]:
+    """Ranks (of `ranks`) whose reserved bytes grow (the shared growth test, 64 MiB floor) while their
+    allocated bytes grow less than half as fast: the cache fragments. Reserved is fitted for every rank
+    in one grouped pass; allocated only for the ranks whose reserved grows."""
+    fits = steps_fits(data, "mem_reserved", ranks)
+    out = []
+    for i in fits.grows(NON_PYTORCH_MIN_BYTES).nonzero()[0].tolist():
+        rank, reserved = fits.ranks[i], fits.trends.trend(i)
+        ax, ay = data.steps_field(rank, "mem_allocated")
+        allocated = robust_trend(ax, ay) if len(ax) >= MIN_POINTS else None
+        if allocated is None or allocated.slope < 0.5 * reserved.slope:
+            out.append(rank)
+    return out
 
 
 def _empty_cache(data: _Data, frag: dict[int, dict[str, Any]], nonpt_growing: list[int]) -> Finding:
@@ -214,7 +179,7 @@ def _empty_cache(data: _Data, frag: dict[int, dict[str, Any]], nonpt_growing: li
         )
     retries = sum(e["alloc_retries"] for e in frag.values())
     unused = max((e["reserved_minus_peak_bytes"] or 0) for e in frag.values())
-    reserved_growing = [rank for rank in frag if _reserved_growing(data, rank)]
+    reserved_growing = _reserved_growing(data, sorted(frag))
     evidence = {
         "recommend_periodic_empty_cache": False,
         "alloc_retries": retries,
@@ -248,7 +213,12 @@ def _empty_cache(data: _Data, frag: dict[int, dict[str, Any]], nonpt_growing: li
             "no call for empty_cache: reserved is stable and the allocator never retried; calling it "
             "periodically only makes the next steps cudaMalloc the same blocks again"
         )
-    return Finding(probe=PROBE, check="empty_cache", verdict=verdict, summary=summary, evidence=evidence)
+    # the ranks the warning is about, as every per-job finding names them (the report lists them)
+    named = nonpt_growing or (reserved_growing if verdict == "warn" else [])
+    where = {"rank": named[0], "ranks": named} if named else {}
+    return Finding(
+        probe=PROBE, check="empty_cache", verdict=verdict, summary=summary, evidence=evidence, where=where
+    )
 
 
 def _frag_severity(finding: Finding) -> tuple[float, float]:
@@ -272,10 +242,10 @@ def cuda_findings(data: _Data) -> list[Finding]:
     findings: list[Finding] = []
     frag: dict[int, dict[str, Any]] = {}
     per_rank: list[Finding] = []
-    for rank in sorted(data.steps.ranks_with("mem_reserved")):  # not every rank's records: 2 M at scale
-        if _steady(data, rank):
-            finding, frag[rank] = _fragmentation(data, rank)
-            per_rank.append(finding)
+    figures = fragmentation_figures(data)  # every rank's medians in one grouped pass
+    for i, rank in enumerate(figures.ranks):
+        finding, frag[rank] = _fragmentation(figures, i, data.steps.host(rank))
+        per_rank.append(finding)
     if not frag:
         findings.append(
             _not_run("fragmentation", "no CUDA allocator fields in the steps (mem_reserved/mem_allocated)")

@@ -16,7 +16,7 @@ from typing import Any
 from ciuic_doctor.analysis._memory_steps import StepColumns, binned
 from ciuic_doctor.analysis._trend import Trend, robust_trend
 from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.store import RunDir
 
 PROBE = "memory"
 MIB = 2**20
@@ -44,29 +44,30 @@ class Series:
 
 
 class _Data:
-    """The run's records, indexed the ways the checks need them."""
+    """The run's records, indexed the ways the checks need them: steps and memwatch samples column-wise
+    (`StepColumns`, `MemwatchColumns`), a rank's or a process's records built only when a check asks."""
 
     def __init__(self, run: RunDir) -> None:
-        samples = run.read("memwatch").records if run.has_stream("memwatch") else []
-        self.samples = [r for r in samples if isinstance(r.get("pid"), int) and as_float(r.get("t"))]
-        events = run.read("memwatch_events").records if run.has_stream("memwatch_events") else []
+        from ciuic_doctor.analysis._memory_columns import MemwatchColumns
+        from ciuic_doctor.frames import read_records
+
+        self.memwatch = MemwatchColumns(run)
+        events = read_records(run, "memwatch_events")
         start = next((r for r in events if r.get("kind") == "start"), {})
         self.nvml_reason: str | None = start.get("nvml_reason")  # None: NVML was there, or no events
         self.steps = StepColumns(run)
-        last_role: dict[int, str] = {}
-        for sample in self.samples:  # a pid's last role wins: a root relabelled "agent" stays one
-            last_role[sample["pid"]] = sample["role"]
-        self.by_pid: dict[int, list[dict[str, Any]]] = {}
-        for sample in self.samples:
-            self.by_pid.setdefault(sample["pid"], []).append(sample)
+        self.by_pid = self.memwatch  # pid -> its samples as records (built when asked)
         self.role_pids: dict[str, list[int]] = {}
-        for pid, role in last_role.items():
+        for pid, role in self.memwatch.roles.items():  # a pid's last role wins: a root relabelled "agent"
             self.role_pids.setdefault(role, []).append(pid)
         self.device_totals = _meta_device_totals(run.read_meta())
+        # Issue 23's hook: the first step of each rank the leak trends may use (its first optimizer step),
+        # rank -> step; None keeps every step after the warm-up.
+        self.first_step: dict[int, float] | None = None
 
     def gpu_absent_reason(self) -> str:
         """Why the samples carry no per-process GPU memory."""
-        if not self.samples:
+        if not self.memwatch.rows:
             return "memwatch did not sample this run"
         return self.nvml_reason or "NVML listed none of the watched processes"
 
@@ -74,10 +75,16 @@ class _Data:
         from_roles = {int(r.split()[1]) for r in self.role_pids if r.startswith("rank ")}
         return sorted(from_roles | set(self.steps))
 
-    def rank_samples(self, rank: int) -> list[dict[str, Any]]:
-        """Samples of the rank's process (the one watched longest when torchrun restarted it)."""
+    def rank_pid(self, rank: int) -> int | None:
+        """The rank's process (the one watched longest when torchrun restarted it)."""
         pids = self.role_pids.get(f"rank {rank}", [])
-        return max((self.by_pid[p] for p in pids), key=len, default=[])
+        bounds = self.memwatch.bounds()
+        return max(pids, key=lambda p: bounds[p][1] - bounds[p][0], default=None)
+
+    def rank_samples(self, rank: int) -> list[dict[str, Any]]:
+        """Samples of the rank's process, as records (a few ranks' worth: leaking ones)."""
+        pid = self.rank_pid(rank)
+        return [] if pid is None else self.memwatch[pid]
 
     def steps_field(self, rank: int, name: str) -> tuple[list[float], list[float]]:
         import numpy as np

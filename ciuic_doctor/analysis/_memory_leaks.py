@@ -23,7 +23,6 @@ from ciuic_doctor.analysis._memory_data import (
     _grows,
     _not_run,
     _slope_evidence,
-    _trend,
     _warm,
 )
 from ciuic_doctor.analysis._trend import Trend, level_shift, robust_trend
@@ -116,10 +115,15 @@ def _device_limit(data: _Data, rank: int) -> tuple[int | None, float | None]:
 
 
 def leak_findings(data: _Data) -> list[Finding]:
+    """One memory_leak finding per kind. Every rank's series is fitted in one grouped pass
+    (`_memory_batch`); a finding of its own is built only for a rank that grows (it may still be a
+    level shift) and for the steepest one, which the pass summary names — the others are counted."""
+    from ciuic_doctor.analysis._memory_batch import device_fits, host_fits
+
     findings: list[Finding] = []
-    for kind, make in (("host", _host_series), ("device", _device_series)):
-        fits = [(rank, s, _trend(s)) for rank in data.ranks() if (s := make(data, rank)) is not None]
-        if not fits:
+    for kind, make in (("host", host_fits), ("device", device_fits)):
+        fits = make(data)
+        if not fits.has.any():
             why = (
                 "no per-rank host memory series (needs memwatch samples or steps with rss/uss)"
                 if kind == "host"
@@ -128,17 +132,63 @@ def leak_findings(data: _Data) -> list[Finding]:
             )
             findings.append(_not_run("memory_leak", why, kind=kind))
             continue
-        leaking = [(r, s, t) for r, s, t in fits if t is not None and _grows(t, LEAK_MIN_BYTES)]
-        # ranks on one host share its available memory: they run it out together
-        shared_slope: dict[tuple[str | None, str], float] = {}
-        for _, s, t in leaking:
-            shared_slope[(s.host, s.x_unit)] = shared_slope.get((s.host, s.x_unit), 0.0) + t.slope
-        per_rank = [
-            _leak_finding(data, kind=kind, rank=rank, series=series, trend=trend, shared_slope=shared_slope)
-            for rank, series, trend in fits
-        ]
-        findings.append(_one_leak_finding(kind, per_rank))
+        findings.append(_one_leak_finding(kind, _judged(data, kind, fits)))
     return findings
+
+
+def _judged(data: _Data, kind: str, fits) -> list[Finding]:
+    """Per-rank findings of the ranks that grow and of the steepest; a stand-in (verdict and slope only)
+    for every other rank, enough for `_one_leak_finding` to count it."""
+    import numpy as np
+
+    trends = fits.trends
+    grows = fits.grows(LEAK_MIN_BYTES) & fits.has
+    leaking = np.flatnonzero(grows).tolist()
+    # ranks on one host share its available memory: they run it out together
+    shared_slope: dict[tuple[str | None, str], float] = {}
+    for i in leaking:
+        key = (fits.host[i], "step" if fits.step_unit[i] else "s")
+        shared_slope[key] = shared_slope.get(key, 0.0) + float(trends.slope[i])
+
+    def full(i: int) -> Finding:
+        return _leak_finding(
+            data,
+            kind=kind,
+            rank=fits.ranks[i],
+            series=fits.series(i),
+            trend=trends.trend(i),
+            shared_slope=shared_slope,
+        )
+
+    built = {i: full(i) for i in leaking}
+    judged = fits.has & trends.valid & ~grows
+    for i, finding in built.items():
+        judged[i] = finding.verdict != "not_run"
+    if judged.any():  # the steepest judged rank by its evidence's slope (rounded to 0.1), first on ties
+        candidates = np.flatnonzero(judged)
+        rounded = [round(float(v), 1) for v in trends.slope[candidates]]  # as the evidence rounds it
+        steepest = int(candidates[int(np.argmax(rounded))])
+        if steepest not in built:
+            built[steepest] = full(steepest)
+    out = []
+    for i in np.flatnonzero(fits.has).tolist():
+        if i in built:
+            out.append(built[i])
+        else:
+            verdict = "pass" if judged[i] else "not_run"
+            slope_key = "slope_bytes_per_step" if fits.step_unit[i] else "slope_bytes_per_s"
+            slope = round(float(trends.slope[i]), 1) if judged[i] else None
+            out.append(
+                Finding(
+                    probe=PROBE,
+                    check="memory_leak",
+                    verdict=verdict,
+                    summary="",
+                    evidence={slope_key: slope},
+                    where={"rank": fits.ranks[i]},
+                )
+            )
+    return out
 
 
 MAX_NAMED = 32  # leaking ranks listed one by one in the evidence; the rest are counted

@@ -48,7 +48,8 @@ class StepColumns(Mapping):
         if not run.has_stream("steps"):
             return
         table = read_stream(run, "steps", self.COLUMNS).table
-        table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
+        if table["rank"].null_count or table["step"].null_count:  # a filter copies every column
+            table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
         if not table.num_rows:
             return
         # sorted by rank, then time (a record without a time first), in arrow: no 2 M-row Python loop.
@@ -76,6 +77,12 @@ class StepColumns(Mapping):
         start, stop = self._bounds.get(rank, (0, 0))
         values = self._columns.get(name)
         return values[start:stop] if values is not None else np.empty(0)
+
+    def flat(self, name: str) -> np.ndarray:
+        """`name` of every row, ranks one after another (rank, then time order)."""
+        import numpy as np
+
+        return self._columns.get(name, np.empty(0))
 
     def host(self, rank: int) -> str | None:
         return self._hosts.get(rank)

@@ -39,7 +39,9 @@ __all__ = ["REFERENCE", "STREAMS", "analyze", "analyze_records", "summary_lines"
 
 
 def analyze(run: RunDir) -> list[Finding]:
-    return analyze_records(run.read("checkpoint").records)
+    from ciuic_doctor.frames import read_records
+
+    return analyze_records(read_records(run, "checkpoint"))
 
 
 def analyze_records(records: list[dict[str, Any]]) -> list[Finding]:

@@ -41,10 +41,12 @@ FLOOR_FRACTION = 0.9  # nccl-tests fails a run whose average busbw is below 0.9 
 
 
 def analyze(run: RunDir) -> list[Finding]:
+    from ciuic_doctor.frames import read_records
+
     probe = run.read_meta().get("probes", {}).get(COMMAND, {})
     config = probe.get("config") or {}
     return analyze_records(
-        run.read("comm").records,
+        read_records(run, "comm"),
         bucket_bytes=int(config.get("bucket_bytes") or DEFAULT_BUCKET_BYTES),
         min_busbw_gbps=as_float(config.get("min_busbw_gbps")),
     )

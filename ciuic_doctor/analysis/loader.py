@@ -103,7 +103,9 @@ def _failures(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def analyze(run: RunDir) -> list[Finding]:
-    header, records = last_sweep(run.read("loader").records)
+    from ciuic_doctor.frames import read_records
+
+    header, records = last_sweep(read_records(run, "loader"))
     return analyze_records(header, records)
 
 

@@ -37,8 +37,9 @@ def load(path: Path) -> StepLog:
     raw["skipped"] = raw["skipped"].astype("boolean").fillna(False).astype("int64")
     return to_steplog(
         raw,
-        read_lines=read.rows + read.dropped_lines,
-        unread_lines=read.dropped_lines,
+        # an off-schema record is dropped by the reader (and counted there), as an unparsable line is
+        read_lines=read.rows + read.dropped_lines + read.invalid_records,
+        unread_lines=read.dropped_lines + read.invalid_records,
         meta_dir=path,
         name=path.name,
     )

@@ -255,10 +255,11 @@ def stability_plot(
 # ---- memwatch ------------------------------------------------------------------------------------
 
 
-def memwatch_plot(samples: Sequence[dict[str, Any]]) -> str | None:
-    """Memory of every watched process over time (USS when readable, else RSS), grouped by role."""
+def memwatch_plot(samples: Sequence[dict[str, Any]], key: str | None = None) -> str | None:
+    """Memory of every watched process over time (USS when readable, else RSS), grouped by role; `key`
+    when the caller chose it over more samples than it passes (report/memwatch_view)."""
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    key = "uss" if any((_num(s, "uss") or 0) > 0 for s in samples) else "rss"
+    key = key or ("uss" if any((_num(s, "uss") or 0) > 0 for s in samples) else "rss")
     t0 = min((t for s in samples if (t := _num(s, "t")) is not None), default=None)
     if t0 is None:
         return None

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ciuic_doctor.findings import Finding, sort_findings
+from ciuic_doctor.frames import read_records
+from ciuic_doctor.report import memwatch_view
 from ciuic_doctor.report.blocks import Section, Table, _cell, _size_cell, bytes_cell, generic_content
 from ciuic_doctor.report.checkpoint_section import checkpoint_content
 from ciuic_doctor.report.hang_section import hang_sections
@@ -169,29 +171,26 @@ def memory_content(
     svg = step_memory_svg(steps, leaks)
     if svg:
         section.plots.append(svg)
-    svg = memwatch_plot(samples)
+    svg = memwatch_plot(samples, key=getattr(samples, "key", None))
     if svg:
         section.plots.append(svg)
-    by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for s in samples:
-        by_role[str(s.get("role") or s.get("pid") or "?")].append(s)
-    rows = []
-    for role, ss in sorted(by_role.items()):
-
-        def series(key: str, ss: list[dict[str, Any]] = ss) -> list[float]:
-            return [v for s in ss if (v := as_float(s.get(key))) is not None]
-
-        rss, uss = series("rss"), series("uss")
-        rows.append(
-            [
-                _cell(role),
-                _cell(len(ss)),
-                bytes_cell(rss[0] if rss else None),
-                bytes_cell(rss[-1] if rss else None),
-                bytes_cell(max(rss) if rss else None),
-                bytes_cell(uss[-1] if uss else None),
-            ]
-        )
+    processes = getattr(samples, "processes", None)
+    if processes is None:  # plain records (a caller without the column-wise view)
+        processes = _processes(samples)
+    shown, more = memwatch_view.table_rows(processes, findings)
+    rows = [
+        [
+            _cell(p["process"]),
+            _cell(p["samples"]),
+            bytes_cell(p["first_rss"]),
+            bytes_cell(p["last_rss"]),
+            bytes_cell(p["peak_rss"]),
+            bytes_cell(p["last_uss"]),
+        ]
+        for p in shown
+    ]
+    if more:
+        section.notes.append(more)
     if rows:
         section.tables.append(
             Table(
@@ -205,6 +204,27 @@ def memory_content(
         section.notes.append(
             "memwatch did not sample this run; the plot uses the step records' memory fields."
         )
+
+
+def _processes(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_role: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in samples:
+        by_role[str(s.get("role") or s.get("pid") or "?")].append(s)
+    out = []
+    for role, ss in sorted(by_role.items()):
+        rss = [v for s in ss if (v := as_float(s.get("rss"))) is not None]
+        uss = [v for s in ss if (v := as_float(s.get("uss"))) is not None]
+        out.append(
+            {
+                "process": role,
+                "samples": len(ss),
+                "first_rss": rss[0] if rss else None,
+                "last_rss": rss[-1] if rss else None,
+                "peak_rss": max(rss) if rss else None,
+                "last_uss": uss[-1] if uss else None,
+            }
+        )
+    return out
 
 
 def loader_content(section: Section, records: list[dict[str, Any]], findings: Sequence[Finding]) -> None:
@@ -260,7 +280,8 @@ def load_streams(run: RunDir) -> dict[str, list[dict[str, Any]]]:
     """The records of every stream the report draws (torn lines skipped by the store). `steps` is a
     rank_view.StepRecords: the lowest rank's records as a list, every rank's report columns as `.frame`
     (read column-wise: 2 M step records of a 1,024-rank run are never made into dicts)."""
-    return {name: load_steps(run) if name == "steps" else run.read(name).records for name in STREAMS}
+    loaders = {"steps": load_steps, "memwatch": memwatch_view.load}
+    return {name: loaders[name](run) if name in loaders else read_records(run, name) for name in STREAMS}
 
 
 def build_sections(

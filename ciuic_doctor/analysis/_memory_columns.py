@@ -1,0 +1,171 @@
+"""memwatch's samples as the memory checks read them: column-wise, grouped by process, never as dicts.
+
+A 1,024-rank job sampled every second for half an hour is ~2 M samples; the row reader made each a dict
+(and validated it: `schemas.validate` per record), then the checks walked them per rank. Here the
+samples are read with `frames.read_stream` (only the columns the checks use), stably sorted by PID so
+each process's samples are one slice in file order, and the per-rank lookups the checks make — a time
+as a fractional step of that rank, the reserved bytes of its last step before a time — are one
+vectorised search over every rank at once (`group_interp`, `group_last_before`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ciuic_doctor.store import RunDir
+
+NUMERIC = ("t", "rss", "anon", "uss", "pss", "gpu_bytes", "gpu_total_bytes", "sys_available_bytes")
+
+
+class MemwatchColumns(Mapping):
+    """Samples per PID (as a mapping: pid -> that process's samples as records, built when asked —
+    the worker check reads a few). `roles`: each PID's last role, PIDs in order of first appearance."""
+
+    COLUMNS = ("pid", "role", "host", *NUMERIC)
+
+    def __init__(self, run: RunDir) -> None:
+        import numpy as np
+        import pyarrow.compute as pc
+
+        from ciuic_doctor.frames import read_stream
+
+        self._columns: dict[str, np.ndarray] = {}
+        self._bounds: dict[int, tuple[int, int]] = {}
+        self._hosts: dict[int, str | None] = {}
+        self.roles: dict[int, str] = {}
+        self._cache: dict[int, list[dict[str, Any]]] = {}
+        self.rows = 0
+        if not run.has_stream("memwatch"):
+            return
+        table = read_stream(run, "memwatch", self.COLUMNS).table
+        # a sample without a PID or a time (0 counts as none, as the row checks had it) is no sample
+        t = table["t"]
+        keep = pc.and_(pc.is_valid(table["pid"]), pc.and_(pc.is_valid(t), pc.not_equal(t, 0.0)))
+        keep = keep.fill_null(False)
+        if not pc.all(keep).as_py():  # a filter copies every column: only when a sample goes
+            table = table.filter(keep)
+        if not table.num_rows:
+            return
+        pid = table["pid"].to_numpy()
+        first_seen = np.unique(pid, return_index=True)
+        order = np.argsort(pid, kind="stable")  # each process's samples in file order
+        for name in NUMERIC:  # one column at a time: a take() of the table copied all of them at once
+            self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()[order]
+        pid = pid[order]
+        self._columns["pid"] = pid
+        self.rows = len(pid)
+        unique, starts = np.unique(pid, return_index=True)
+        stops = np.r_[starts[1:], len(pid)]
+        roles = table["role"].take(order[stops - 1]).to_pylist()  # a pid's last role wins
+        hosts = table["host"].take(order[starts]).to_pylist()
+        appearance = dict(zip(first_seen[0].tolist(), first_seen[1].tolist(), strict=True))
+        for p, start, stop, role, host in sorted(
+            zip(unique.tolist(), starts.tolist(), stops.tolist(), roles, hosts, strict=True),
+            key=lambda row: appearance[row[0]],
+        ):
+            self._bounds[p] = (start, stop)
+            self.roles[p] = role
+            self._hosts[p] = host
+
+    def column(self, pid: int, name: str) -> np.ndarray:
+        import numpy as np
+
+        start, stop = self._bounds.get(pid, (0, 0))
+        values = self._columns.get(name)
+        return values[start:stop] if values is not None else np.empty(0)
+
+    def host(self, pid: int) -> str | None:
+        return self._hosts.get(pid)
+
+    def has(self, name: str) -> bool:
+        """Whether any sample carries `name` (NVML's gpu_bytes: whether NVML saw the processes)."""
+        import numpy as np
+
+        values = self._columns.get(name)
+        return values is not None and bool(np.isfinite(values).any())
+
+    def bounds(self) -> dict[int, tuple[int, int]]:
+        return self._bounds
+
+    def flat(self, name: str) -> np.ndarray:
+        import numpy as np
+
+        return self._columns.get(name, np.empty(0))
+
+    def __getitem__(self, pid: int) -> list[dict[str, Any]]:
+        if pid not in self._bounds:
+            raise KeyError(pid)
+        if pid not in self._cache:
+            arrays = {name: self.column(pid, name) for name in NUMERIC}
+            base = {"pid": pid, "role": self.roles[pid], "host": self._hosts[pid]}
+            self._cache[pid] = [
+                {**base, **{k: float(v[i]) if v[i] == v[i] else None for k, v in arrays.items()}}
+                for i in range(len(arrays["t"]))
+            ]
+        return self._cache[pid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._bounds)
+
+    def __len__(self) -> int:
+        return len(self._bounds)
+
+
+def _keys(group: np.ndarray, t: np.ndarray, low: float, width: float) -> np.ndarray:
+    """One sortable float per (group, time): groups apart by more than any time span."""
+    return group * width + (t - low)
+
+
+def group_interp(
+    group: np.ndarray, t: np.ndarray, point_group: np.ndarray, point_t: np.ndarray, point_v: np.ndarray
+) -> np.ndarray:
+    """np.interp(t, point_t, point_v, left=nan, right=nan) within each group, for every query at once.
+
+    Points must be sorted by group, then time (finite). A query outside its group's span, or in a group
+    with fewer than 2 points, is NaN (the per-rank np.interp call this replaces returned None there)."""
+    import numpy as np
+
+    out = np.full(len(t), np.nan)
+    if not len(t) or len(point_t) < 2:
+        return out
+    counts = np.bincount(point_group, minlength=int(max(group.max(), point_group.max())) + 1)
+    low = float(min(np.min(t), np.min(point_t)))
+    width = float(max(np.max(t), np.max(point_t)) - low) + 1.0
+    keys = _keys(point_group.astype(float), point_t, low, width)
+    query = _keys(group.astype(float), t, low, width)
+    hi = np.searchsorted(keys, query, side="right")
+    lo = hi - 1
+    n = len(keys)
+    ok_lo = (lo >= 0) & (point_group[np.clip(lo, 0, n - 1)] == group)
+    ok_hi = (hi < n) & (point_group[np.clip(hi, 0, n - 1)] == group)
+    enough = counts[group] >= 2
+    lo_c, hi_c = np.clip(lo, 0, n - 1), np.clip(hi, 0, n - 1)
+    inside = ok_lo & ok_hi & enough
+    span = point_t[hi_c] - point_t[lo_c]
+    with np.errstate(divide="ignore", invalid="ignore"):  # np.interp's own formula, term for term
+        slope = np.where(span > 0, (point_v[hi_c] - point_v[lo_c]) / span, 0.0)
+    out[inside] = (slope * (t - point_t[lo_c]) + point_v[lo_c])[inside]
+    # exactly on the group's last point: np.interp gives its value (side="right" stepped past it)
+    at_end = ok_lo & ~ok_hi & enough & (point_t[lo_c] == t)
+    out[at_end] = point_v[lo_c][at_end]
+    return out
+
+
+def group_last_before(
+    group: np.ndarray, t: np.ndarray, point_group: np.ndarray, point_t: np.ndarray
+) -> np.ndarray:
+    """Index of each query's group's last point at or before its time (bisect_right − 1), or −1."""
+    import numpy as np
+
+    if not len(t) or not len(point_t):
+        return np.full(len(t), -1)
+    low = float(min(np.min(t), np.min(point_t)))
+    width = float(max(np.max(t), np.max(point_t)) - low) + 1.0
+    keys = _keys(point_group.astype(float), point_t, low, width)
+    lo = np.searchsorted(keys, _keys(group.astype(float), t, low, width), side="right") - 1
+    ok = (lo >= 0) & (point_group[np.clip(lo, 0, len(keys) - 1)] == group)
+    return np.where(ok, lo, -1)

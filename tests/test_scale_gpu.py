@@ -1,0 +1,89 @@
+"""What a GPU job writes, at a size a test can afford (issue 25): every CUDA step field, memwatch with NVML
+and a comm-bench table from tests/scalesynth.gpu_plan, judged by every analysis — the straggler, the leaking
+rank and the reserved-memory grower each named by exactly one finding, nothing else flagged; the grouped
+trend equal to robust_trend series by series; the hang analysis reading nothing without hang files."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ciuic_doctor import frames
+from ciuic_doctor.analysis import hang, run_all
+from ciuic_doctor.analysis._trend import robust_trend
+from ciuic_doctor.analysis._trends import RankSeries, fit
+from ciuic_doctor.store import RunDir
+from tests import scalesynth
+
+# 240 steps: the grower grows 2 MiB/step to clear the growth floor (0.5 % of its ~63 GB) in a short run
+PLAN = dataclasses.replace(scalesynth.gpu_plan(32, 240), grower_mib_per_step=2.0)
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory):
+    frames.clear_cache()
+    path = scalesynth.generate(tmp_path_factory.mktemp("gpu") / "run", PLAN)
+    return path, run_all(RunDir.open(path))
+
+
+def test_each_planted_problem_is_named_once_and_nothing_else_is_flagged(judged):
+    _, findings = judged
+    flagged = [f for f in findings if f.verdict in ("warn", "fail")]
+    by_check = {f.check: f for f in flagged}
+    assert sorted(by_check) == ["empty_cache", "memory_leak", "straggler_onset"], [f.summary for f in flagged]
+    assert len(flagged) == 3
+    assert by_check["straggler_onset"].where["ranks"] == [PLAN.straggler_rank]
+    assert by_check["memory_leak"].where["ranks"] == [PLAN.leak_rank]
+    assert by_check["memory_leak"].evidence["kind"] == "host"
+    assert by_check["memory_leak"].evidence["source"] == "memwatch"  # anon, mapped to steps
+    assert by_check["empty_cache"].where["ranks"] == [PLAN.grower_rank]
+    checked = {(f.check, f.evidence.get("kind")): f for f in findings}
+    assert checked[("memory_leak", "device")].verdict == "pass"
+    assert checked[("memory_leak", "device")].evidence["ranks_checked"] == PLAN.ranks
+    assert checked[("non_pytorch_device_memory", None)].verdict == "pass"
+    assert checked[("fragmentation", None)].evidence["ranks_checked"] == PLAN.ranks
+    assert checked[("correctness", None)].verdict == "pass"  # the comm-bench table was judged too
+
+
+def test_the_report_lists_the_named_ranks_among_the_watched_processes(judged, tmp_path):
+    from ciuic_doctor.report import build_report
+
+    path, _ = judged
+    build_report(RunDir.open(path), analyze=False)
+    page = (path / "report.html").read_text()
+    assert f">rank {PLAN.leak_rank}<" in page
+    assert "more processes not listed" in page  # 36 watched processes, 16 rows
+
+
+def test_the_hang_analysis_reads_nothing_without_hang_files(judged, monkeypatch):
+    path, _ = judged
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("read a stream")
+
+    monkeypatch.setattr(frames, "read_stream", refuse)
+    monkeypatch.setattr(RunDir, "read", refuse)
+    assert hang.analyze(RunDir.open(path)) == []
+
+
+def test_grouped_trends_equal_robust_trend_series_by_series():
+    rng = np.random.default_rng(5)
+    ids, xs, ys, series = [], [], [], []
+    for i, n in enumerate([2, 5, 9, 150, 200, 201, 999, 2000, 2000, 2000]):
+        x = np.arange(n, dtype=float) if i % 4 else np.repeat(np.arange(n // 2 + 1), 2)[:n].astype(float)
+        y = 1e9 + (i % 3) * 3e5 * x + rng.normal(0, 2e6, n)
+        y[rng.integers(0, n)] = np.nan  # a missing value is left out, as robust_trend leaves it
+        ids.append(np.full(n, i))
+        xs.append(x)
+        ys.append(y)
+        series.append((x, y))
+    trends = fit(RankSeries.of(np.concatenate(ids), np.concatenate(xs), np.concatenate(ys), len(series)))
+    for i, (x, y) in enumerate(series):
+        want, got = robust_trend(x, y), trends.trend(i)
+        assert (want is None) == (got is None), i
+        if want is None:
+            continue
+        for key in ("slope", "intercept", "r2", "z", "n", "x_first", "x_last"):
+            assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-9, abs=1e-9), (i, key)

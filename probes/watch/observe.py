@@ -77,6 +77,9 @@ class Observer:
         self.steps = 0
         self.lr: dict[str, Any] = {}
         self.backward_calls: Counter[int] = Counter()
+        self.accumulation: Counter[int] = Counter()  # micro-batches per step (steps.accumulated)
+        self._param_owner: dict[int, int] = {}  # id(parameter) -> index of the optimizer that steps it
+        self.coupled: set[tuple[int, int]] = set()  # (i, j): optimizer i's loss reaches j's parameters
         self.clip_max_norms: Counter[float] = Counter()
         self.records = 0
         self.param_dtype: str | None = None
@@ -121,7 +124,7 @@ class Observer:
                 # before Python 3.14).
                 "multiprocessing_context": start_method or multiprocessing.get_start_method(),
                 "batch_size": batch_size,
-                "sampler": type(loader.sampler).__name__ if loader.sampler is not None else None,
+                "sampler": _name(yielding_sampler(loader)),
                 "batch_sampler": type(loader.batch_sampler).__name__ if loader.batch_sampler else None,
                 "drop_last": bool(loader.drop_last),
                 "dataset": type(loader.dataset).__name__,
@@ -136,7 +139,8 @@ class Observer:
         self.optimizers.append(
             {
                 "class": type(optimizer).__name__,
-                "defaults": {k: _plain(v) for k, v in optimizer.defaults.items() if k in OPTIM_KEYS},
+                # every hyper-parameter the class takes (LBFGS's max_iter, Adafactor's beta2_decay ...)
+                "defaults": hyper_parameters(optimizer.defaults),
                 "fused": bool(optimizer.defaults.get("fused")),
                 # As the script set them: OneCycleLR's cycle_momentum rewrites betas[0] before step 1.
                 "groups_at_init": [
@@ -250,7 +254,31 @@ class Observer:
                 "world_size": dist.get_world_size(),
             }
 
+    def on_any_step(self, optimizer: Any) -> None:
+        """Every optimizer's step: the micro-batches it accumulated, and whether its loss reaches another
+        optimizer's parameters (adversarial objectives: a GAN's generator loss goes through D)."""
+        from ciuic_doctor.probes.watch.steps import accumulated
+
+        index = self._optimizer_index.get(id(optimizer))
+        if index is None:  # built before watch was attached
+            self.on_optimizer(optimizer)
+            index = len(self.optimizers) - 1
+        group = getattr(self.session, "_group", None)
+        if group is None:
+            return
+        if group.sites:
+            self.accumulation[accumulated(group)] += 1
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for pid in mine:
+            self._param_owner.setdefault(pid, index)
+        if group.reached:
+            for pid in group.reached - mine:
+                other = self._param_owner.get(pid)
+                if other is not None and other != index:
+                    self.coupled.add((index, other))
+
     def on_step(self, optimizer: Any) -> None:
+        self.on_any_step(optimizer)
         if self._primary is None:
             self._primary = id(optimizer)
             self.on_first_step(optimizer)
@@ -301,8 +329,19 @@ class Observer:
         return build(self)
 
     def write_meta(self) -> None:
-        if self.session.rank == 0:
-            self.session.run.update_meta(observed=self.observed())
+        """Rank 0's record goes into meta.json `observed`; another rank's into RUN/observed.rank<R>.json
+        (`ciuic_doctor.observed.merge_ranks` notes where they disagree). A process that stepped nothing
+        (mp.spawn's launcher: its ranks are its children) never replaces a record that has steps."""
+        run, rank = self.session.run, self.session.rank
+        if rank != 0:
+            if self.steps:
+                run.write_json(f"observed.rank{rank}.json", self.observed())
+            return
+        if not self.steps:
+            existing = run.read_meta().get("observed")
+            if isinstance(existing, dict) and (existing.get("job") or {}).get("steps_recorded"):
+                return
+        run.update_meta(observed=self.observed())
 
 
 _OBSERVERS: list[Observer] = []
@@ -444,6 +483,46 @@ def _constructor_frame(cls: type) -> Any:
 
 def _distributed_env() -> dict[str, str]:
     return redact_env({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
+
+
+HYPER_SKIP = ("params", "foreach", "fused", "capturable", "differentiable", "maximize_dtype")
+
+
+def hyper_parameters(defaults: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's constructor settings as plain JSON values: numbers, flags, strings, lists of numbers
+    (implementation switches such as `foreach` say how it runs, not what it does, and are left out)."""
+    out: dict[str, Any] = {}
+    for key, value in defaults.items():
+        if key in HYPER_SKIP:
+            continue
+        plain = _plain(value)
+        scalar = plain is None or isinstance(plain, bool | int | float | str)
+        if scalar or (isinstance(plain, list) and all(isinstance(v, int | float) for v in plain)):
+            out[key] = plain
+    return out
+
+
+def yielding_sampler(loader: Any) -> Any:
+    """The sampler whose indices the batches are made of: a loader given a `batch_sampler` (HF Trainer and
+    accelerate wrap theirs: BatchSamplerShard, SkipBatchSampler) keeps a default SequentialSampler in
+    `.sampler` that it never draws from; the real one is `batch_sampler[.batch_sampler...].sampler`."""
+    node = getattr(loader, "batch_sampler", None)
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if node is None:
+            break
+        inner = getattr(node, "batch_sampler", None)
+        if inner is not None and inner is not node:
+            node = inner
+            continue
+        sampler = getattr(node, "sampler", None)
+        if sampler is not None:
+            return sampler
+        break
+    return getattr(loader, "sampler", None)
+
+
+def _name(obj: Any) -> str | None:
+    return type(obj).__name__ if obj is not None else None
 
 
 def _plain(value: Any) -> Any:

@@ -48,6 +48,7 @@ from ciuic_doctor.probes.watch.steps import (
     Group,
     OptimizerState,
     grad_norm,
+    graph_parameters,
     optimizer_params,
 )
 from ciuic_doctor.probes.watch.target import exit_code, run_script  # noqa: F401 - the public runner
@@ -60,6 +61,11 @@ from ciuic_doctor.probes.watch.values import (
 )
 from ciuic_doctor.store import RunDir
 
+TRACED_GROUPS = 8  # the first backward groups' graphs are walked (~1 ms each): enough to see which
+# optimizers' losses reach another's parameters (a GAN: G's loss goes through D)
+_NOT_CALLERS = tuple(
+    f"{p}{os.sep}" for p in (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])
+)
 _ACTIVE: dict[str, WatchSession] = {}  # "session": the one recording in this process
 
 
@@ -72,6 +78,18 @@ class WatchConfig:
     snapshot_on_leak: bool = False  # CUDA only: dump a memory snapshot when allocated memory keeps growing
     agree_timeout_s: float = 60.0  # how long step 1 waits for every rank to say it is watched
     follow_children: bool = True  # mp.spawn ranks and re-executed argv record their own streams
+
+
+def backward_site() -> tuple[Any, int] | None:
+    """(code, line) of the first frame outside torch and watch that led to this backward call."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if not frame.f_code.co_filename.startswith(_NOT_CALLERS):
+            return frame.f_code, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 def current() -> WatchSession | None:
@@ -106,29 +124,67 @@ def _forget_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
+def _arm_watchdog(session: WatchSession, hang: dict[str, Any] | None) -> Callable[..., None] | None:
+    """A rank the script started gets its own hang watchdog, as a rank under torchrun does."""
+    if hang is None:
+        return None
+    from ciuic_doctor.probes.watch.hang import HangConfig, arm
+
+    try:
+        return arm(session, HangConfig(**hang))
+    except Exception as exc:  # never the user's training
+        print(f"ciuic-doctor watch: hang watchdog not armed in pid {os.getpid()}: {exc!r}", file=sys.stderr)
+        return None
+
+
 class WatchedTarget:
     """A multiprocessing target with watch attached around it (pickled by reference to this module): what
     children.install puts in place of the script's own target, so the child records its own stream."""
 
     watched = True  # children.install never wraps a target twice
 
-    def __init__(self, target: Callable, *, run_path: str, config: dict[str, Any], index: int | None):
+    def __init__(
+        self,
+        target: Callable,
+        *,
+        run_path: str,
+        config: dict[str, Any],
+        index: int | None,
+        hang: dict[str, Any] | None = None,
+        script: list[str] | None = None,
+    ):
         self.target = target
         self.run_path = run_path
         self.config = config
         self.index = index
+        self.hang = hang  # the watchdog's settings (None: the launching process armed none)
+        self.script = script  # the command line watch runs: the job's name in `observed`
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         watch_children.spawn_started(self.index)
+        if self.script is not None:
+            watch_children.set_target(self.script)
         active = current()
         if active is not None:  # a fork start: the parent's session was inherited
             active.forget_in_child()
         config = WatchConfig(**self.config)
         session = attach(run=RunDir(Path(self.run_path)), rank=None, config=config)
+        disarm = _arm_watchdog(session, self.hang)  # every rank has one, however it was started
+        code = 1
         try:
-            return self.target(*args, **kwargs)
+            result = self.target(*args, **kwargs)
+            code = 0
+            return result
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            raise
         finally:
+            if disarm is not None:
+                disarm(code)
             session.close()
+            from ciuic_doctor.probes.watch import observe as watch_observe
+
+            watch_observe.write_meta()  # this rank's final `observed`, every step record flushed
             if session.steps_written:
                 where = session.run.stream_path("steps", session.rank)
                 print(
@@ -171,6 +227,7 @@ class WatchSession(StepRecords):
         self._broken = False
         self._closed = False
         self._backward_depth = 0
+        self._groups_traced = 0  # groups whose losses' graphs were walked (which parameters they reach)
         self._sharded: dict[int, bool] = {}  # id(optimizer) -> holds FSDP / DTensor shards
         self._snapshot = None
         if rank is not None:
@@ -188,8 +245,16 @@ class WatchSession(StepRecords):
         return self._rank
 
     def watched_target(self, target: Callable, *, index: int | None) -> WatchedTarget:
-        """`target` (a process the script starts) wrapped so that its process records its own stream."""
-        return WatchedTarget(target, run_path=str(self.run.path), config=asdict(self.config), index=index)
+        """`target` (a process the script starts) wrapped so that its process records its own stream and
+        arms its own hang watchdog."""
+        return WatchedTarget(
+            target,
+            run_path=str(self.run.path),
+            config=asdict(self.config),
+            index=index,
+            hang=watch_children.hang_settings(),
+            script=watch_children.watched_argv(),
+        )
 
     def set_step(self, step: int) -> None:
         """The number of steps already done (a resumed job): the next record is step + 1."""
@@ -347,6 +412,13 @@ class WatchSession(StepRecords):
             group.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
             if self._device is None:  # the loss lives where the model does
                 self._device = tensors.device
+            if self._groups_traced < TRACED_GROUPS and tensors.grad_fn is not None:
+                if group.reached is None:
+                    self._groups_traced += 1
+                    group.reached = set()
+                group.reached |= graph_parameters(tensors)
+        if not self._reevaluating:
+            group.sites[backward_site()] += 1
         group.backward_calls += 1
         if group.t_first_backward is None:
             group.t_first_backward = time.perf_counter()

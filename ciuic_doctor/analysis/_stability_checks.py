@@ -45,11 +45,17 @@ OUTLIER_MAX_POINTS = 2
 # ---- spikes and divergence ---------------------------------------------------------------------
 
 
-def divergence(curve: Curve) -> tuple[Divergence | None, list[Finding]]:
+def divergence(curve: Curve, *, adversarial: bool = False) -> tuple[Divergence | None, list[Finding]]:
+    """`adversarial`: the series is one of several optimizers' coupled losses (a GAN's): only a non-finite
+    tail is judged (_series_kind)."""
     has_loss = np.isfinite(curve.loss).any()
     if not has_loss and not curve.nonfinite.any():
         return None, [_finding("divergence", "not_run", "no loss values in this log")]
-    points = int((np.isfinite(curve.loss) & (curve.loss > 0)).sum())
+    if adversarial:
+        from ciuic_doctor.analysis._series_kind import adversarial_divergence
+
+        return None, adversarial_divergence(curve, _nonfinite_tail(curve))
+    points = int(np.isfinite(curve.loss).sum())  # 0.0 is a loss too
     found = find_divergence(curve.step, curve.loss, quantum=quantum_of(curve.loss))
     tail = _nonfinite_tail(curve)
     if found is None and tail is None and points < DIVERGENCE_MIN_POINTS:
@@ -87,7 +93,11 @@ def _nonfinite_tail(curve: Curve, min_rows: int = 3) -> int | None:
     return int(curve.step[first])
 
 
-def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list[Spike], list[Finding]]:
+def spikes(
+    curve: Curve, diverged: Divergence | None, *, adversarial: bool = False
+) -> tuple[list[Spike], list[Spike], list[Finding]]:
+    """`adversarial`: a coupled loss (a GAN's) whose rise that never comes back is its level, which is
+    not judged (_series_kind); a spike that recovers still is."""
     findings: list[Finding] = []
     grad_spikes = find_spikes(
         curve.step, curve.grad_norm, GRAD_NORM_RULE, quantum=quantum_of(curve.grad_norm)
@@ -98,7 +108,9 @@ def spikes(curve: Curve, diverged: Divergence | None) -> tuple[list[Spike], list
             s for s in loss_spikes
             if s.recovered_after_steps is not None or s.start_step < diverged.onset_step - LEAD_STEPS
         ]  # fmt: skip
-    has_grad = int((np.isfinite(curve.grad_norm) & (curve.grad_norm > 0)).sum()) >= MIN_POINTS
+    if adversarial:
+        loss_spikes = [s for s in loss_spikes if s.recovered_after_steps is not None]
+    has_grad = int(np.isfinite(curve.grad_norm).sum()) >= MIN_POINTS
     grad = grad_spikes if has_grad else None
     outliers = [s for s in loss_spikes if _per_step_row(curve, s.start_step) and _hard_batch(s, grad)]
     loss_spikes = [s for s in loss_spikes if s not in outliers]
@@ -147,7 +159,7 @@ def _outlier_finding(outliers: list[Spike]) -> Finding:
 def _spike_findings(
     check: str, name: str, values, found: list[Spike], grad: list[Spike] | None, *, outliers: int = 0
 ):
-    points = int((np.isfinite(values) & (values > 0)).sum())
+    points = int(np.isfinite(values).sum())  # 0.0 and -0.0 are values
     if points < MIN_POINTS:
         why = (
             f"no {name} in this log"

@@ -341,7 +341,7 @@ def analyze(run: RunDir) -> list[Finding]:
                 probe=PROBE,
                 check="hang",
                 verdict="pass",
-                summary=f"no hang: the watchdog was armed on {len(ranks)} ranks and dumped nothing",
+                summary=f"no hang: the watchdog was armed on {_count(len(ranks), 'rank')} and dumped nothing",
                 evidence={"armed_ranks": ranks},
             )
         ]
@@ -428,6 +428,10 @@ def judge(files: HangFiles) -> list[Finding]:
         )
     )
     return findings
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _describe(collective: dict[str, Any]) -> str:

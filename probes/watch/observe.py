@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from ciuic_doctor.envinfo import redact_env
+from ciuic_doctor.probes.watch.warn_origin import call_as_caller
 
 # The variables a job sets to tune its collectives (the spec's [distributed.env]); launcher-set ones
 # (TORCHELASTIC_*, RANK, MASTER_ADDR) describe the launch, not the job's settings.
@@ -377,7 +378,7 @@ def install(session: Any) -> list[Callable[[], None]]:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
+            result = call_as_caller(original, *args, **kwargs)  # its warnings keep the script's line
             guarded(record, *args, **kwargs)
             return result
 

@@ -2,12 +2,13 @@
 
 `warnings.warn(msg, stacklevel=2)` in a constructor names the constructor's caller: with watch's wrapper in
 between, that was watch's own file (`observe.py:381: UserWarning ...`), and the script's `-W` filters by
-module no longer matched. `call_as_caller` records what the wrapped call warns and re-emits each warning
-after it (also when it raised), with the frames of watch replaced by the first frame outside watch, and
-with the registry of the module it is attributed to, so "default" and "once" filters show it as often as
-they would without watch. Only constructors are wrapped this way (DataLoader, Optimizer, LRScheduler,
-GradScaler, autocast, DDP, init_process_group), not per-step hooks: `catch_warnings` swaps the process's
-filters, so it must not run on a hot path (nor from two threads at once; constructors run on one).
+module no longer matched. `call_as_caller` records what the wrapped call warns (through the filters in
+force, so an "error" filter still raises inside the call) and re-emits each warning after it (also when
+it raised), with the frames of watch replaced by the first frame outside watch and the registry of the
+module it is then attributed to, where the script's module filters apply. Only constructors are wrapped
+this way (DataLoader, Optimizer, LRScheduler, GradScaler, autocast, DDP, init_process_group), not per-step
+hooks: `catch_warnings` swaps the process's warning state, so it must not run on a hot path (nor from two
+threads at once; constructors run on one).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def call_as_caller(original: Callable[..., Any], *args: Any, **kwargs: Any) -> A
     """original(*args, **kwargs), its warnings re-emitted as if watch's frames were not there."""
     caught: list[warnings.WarningMessage] = []
     try:
+        # The filters stay as they are ("always" made torch's lazy import of torch._dynamo inside
+        # Optimizer.__init__ record thousands of DeprecationWarnings: minutes); what they let through
+        # is re-emitted below, where the script's own module filters apply.
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")  # every warning reaches the list; the re-emit applies the filters
             result = original(*args, **kwargs)
     except BaseException:
         with contextlib.suppress(Warning):  # the call's own exception wins over a warning made an error

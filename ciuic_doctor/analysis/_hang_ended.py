@@ -7,13 +7,12 @@ someone asked for (SIGUSR1). `hang RUN` says that first, with where each rank wa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ciuic_doctor.findings import Finding
+from ciuic_doctor.hang_files import HangFiles
 
-if TYPE_CHECKING:
-    from ciuic_doctor.analysis.hang import Position
-    from ciuic_doctor.hang_files import HangFiles
+Position = Any  # analysis.hang.Position (not imported: hang imports this module)
 
 PROBE = "hang"
 

@@ -18,14 +18,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ciuic_doctor.findings import Finding
 
-if TYPE_CHECKING:
-    from ciuic_doctor.analysis.stability import Curve
+Curve = Any  # analysis.stability.Curve (not imported: stability imports this module)
 
 PROBE = "stability"
 MIN_POINTS = 16  # as the spike and divergence checks: fewer cannot tell a pattern from an accident

@@ -3,7 +3,8 @@
 A thread per rank watches two cheap signs of life: the time of the last optimizer step (a listener on the
 watch session's records) and the count of completed collectives in Flight Recorder's per-group status
 (`_dump_fr_trace` without entries: ~0.1 ms, polled every 0.5 s off the training thread). When neither moved
-for `hang_after_s`, or when a collective raises (a timeout, a peer that reset the connection), it writes
+for `hang_after_s` and the main thread is not working either (hang_poll.still_moving: an evaluation is
+not a hang), or when a collective raises (a timeout, a peer that reset the connection), it writes
 
     RUN/hang.rank<R>.json        why, when, the last step, Flight Recorder's group status, every thread's
                                  Python stack, and the state of the other ranks on this host
@@ -11,10 +12,10 @@ for `hang_after_s`, or when a collective raises (a timeout, a peer that reset th
     RUN/hang.fr/rank<R>          Flight Recorder's own dump (torch's pickle, the file torchfrtrace reads)
     RUN/hang.rank<R>.last.json   the last Python collective issued (watch_hang_last: for a rank gloo aborts)
 
-once per stall, without stopping the job. `kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends)
-asks for the same dump at any time; it is read by this thread through a wake-up socket, so it works while
-the main thread is blocked inside a collective. A fatal signal (gloo aborts a rank that receives a
-different size than it expects) leaves faulthandler's stacks in RUN/hang.rank<R>.fatal.txt.
+once per stall, without stopping the job; never while watch closes, and never over an earlier dump.
+`kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends) asks for a dump at any time, through a
+wake-up socket this thread reads, so it works while the main thread is blocked inside a collective. A
+fatal signal (gloo aborts a rank sent another size) leaves faulthandler's stacks in hang.rank<R>.fatal.txt.
 
     >>> default_hang_after(step_times_s=[0.5] * 10, pg_timeout_s=600.0)
     30.0
@@ -41,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic_doctor.probes.watch import children as watch_children
 from ciuic_doctor.probes.watch.hang_poll import (
     Look,
     _pg_timeout_s,
@@ -50,8 +52,6 @@ from ciuic_doctor.probes.watch.hang_poll import (
     release_files,
     still_moving,
 )
-
-__all__ = ["HangConfig", "HangWatchdog", "arm", "arm_flight_recorder", "default_hang_after", "fr_status"]
 from ciuic_doctor.probes.watch.hang_where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.store import RunDir
 
@@ -96,10 +96,17 @@ def arm(session: Any, config: HangConfig | None = None) -> Callable[..., None]:
     watchdog = HangWatchdog(run=session.run, rank=session.rank, config=config)
     session.add_listener(watchdog.on_step)
     watchdog.start()
-    from ciuic_doctor.probes.watch import children
-
-    children.on_first_rank_started(watchdog.step_aside)  # mp.spawn: the ranks are children, with their own
+    watch_children.on_first_rank_started(watchdog.step_aside)  # mp.spawn: the ranks arm their own
     return watchdog.stop
+
+
+def arm_quietly(session: Any, settings: dict[str, Any] | None) -> Callable[..., None] | None:
+    """`arm` for a rank the script started (mp.spawn); None when the launcher armed none, or on an error."""
+    try:
+        return arm(session, HangConfig(**settings)) if settings is not None else None
+    except Exception as exc:
+        print(f"ciuic-doctor watch: hang watchdog not armed in pid {os.getpid()}: {exc!r}", file=sys.stderr)
+        return None
 
 
 class HangWatchdog:
@@ -129,10 +136,9 @@ class HangWatchdog:
         self._dumping = False
         self._terminating = False
         self._term_pending = False
-        self._closing = False  # stop() began: no stall is judged any more
-        self._look: Look | None = None  # the main thread at the previous poll of a stall (hang_moving)
-        self._dumps = 0  # dumps this process wrote: a later one keeps the earlier (hang.rank<R>.earlier<k>.*)
-        self._armed_checked = False
+        self._closing, self._armed_checked = False, False  # closing: stop() began, no stall is judged
+        self._look: Look | None = None  # the main thread at the last poll of a stall; dumps so far:
+        self._dumps = 0  # a later one keeps the earlier (hang.rank<R>.earlier<k>.*)
 
     # ---- installing -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,8 +192,7 @@ class HangWatchdog:
                 undo()
         self._undo.clear()
 
-    def step_aside(self) -> None:
-        """This process launches the ranks and waits (mp.spawn): they arm their own watchdogs."""
+    def step_aside(self) -> None:  # this process launches the ranks (mp.spawn): they arm their own
         self.stop(None)
         release_files(self.run.path, self.rank)
 

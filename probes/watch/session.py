@@ -45,8 +45,10 @@ from ciuic_doctor.probes.watch import frameworks as watch_frameworks
 from ciuic_doctor.probes.watch import hooks as watch_hooks
 from ciuic_doctor.probes.watch.records import RECORD_KEYS, STREAM, StepRecords  # noqa: F401 - re-exported
 from ciuic_doctor.probes.watch.steps import (
+    TRACED_GROUPS,
     Group,
     OptimizerState,
+    backward_site,
     grad_norm,
     graph_parameters,
     optimizer_params,
@@ -61,11 +63,6 @@ from ciuic_doctor.probes.watch.values import (
 )
 from ciuic_doctor.store import RunDir
 
-TRACED_GROUPS = 8  # the first backward groups' graphs are walked (~1 ms each): enough to see which
-# optimizers' losses reach another's parameters (a GAN: G's loss goes through D)
-_NOT_CALLERS = tuple(
-    f"{p}{os.sep}" for p in (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])
-)
 _ACTIVE: dict[str, WatchSession] = {}  # "session": the one recording in this process
 
 
@@ -78,18 +75,6 @@ class WatchConfig:
     snapshot_on_leak: bool = False  # CUDA only: dump a memory snapshot when allocated memory keeps growing
     agree_timeout_s: float = 60.0  # how long step 1 waits for every rank to say it is watched
     follow_children: bool = True  # mp.spawn ranks and re-executed argv record their own streams
-
-
-def backward_site() -> tuple[Any, int] | None:
-    """(code, line) of the first frame outside torch and watch that led to this backward call."""
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            return None
-        if not frame.f_code.co_filename.startswith(_NOT_CALLERS):
-            return frame.f_code, frame.f_lineno
-        frame = frame.f_back
-    return None
 
 
 def current() -> WatchSession | None:
@@ -124,19 +109,6 @@ def _forget_in_forked_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
-def _arm_watchdog(session: WatchSession, hang: dict[str, Any] | None) -> Callable[..., None] | None:
-    """A rank the script started gets its own hang watchdog, as a rank under torchrun does."""
-    if hang is None:
-        return None
-    from ciuic_doctor.probes.watch.hang import HangConfig, arm
-
-    try:
-        return arm(session, HangConfig(**hang))
-    except Exception as exc:  # never the user's training
-        print(f"ciuic-doctor watch: hang watchdog not armed in pid {os.getpid()}: {exc!r}", file=sys.stderr)
-        return None
-
-
 class WatchedTarget:
     """A multiprocessing target with watch attached around it (pickled by reference to this module): what
     children.install puts in place of the script's own target, so the child records its own stream."""
@@ -169,7 +141,9 @@ class WatchedTarget:
             active.forget_in_child()
         config = WatchConfig(**self.config)
         session = attach(run=RunDir(Path(self.run_path)), rank=None, config=config)
-        disarm = _arm_watchdog(session, self.hang)  # every rank has one, however it was started
+        from ciuic_doctor.probes.watch.hang import arm_quietly
+
+        disarm = arm_quietly(session, self.hang)  # every rank has one, however it was started
         code = 1
         try:
             result = self.target(*args, **kwargs)

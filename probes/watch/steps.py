@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +51,25 @@ class OptimizerState:
     grad_norm: torch.Tensor | None = None  # computed for the step in progress
     stepped: bool = False  # the step in progress reached the optimizer (not skipped by a scaler)
     group: Group | None = None  # the group of a step that waits for scaler.update()
+
+
+TRACED_GROUPS = 8  # the first backward groups' graphs are walked (~1 ms each): enough to see which
+# optimizers' losses reach another's parameters (a GAN: G's loss goes through D)
+_NOT_CALLERS = tuple(
+    f"{p}{os.sep}" for p in (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])
+)
+
+
+def backward_site() -> tuple[Any, int] | None:
+    """(code, line) of the first frame outside torch and watch that led to this backward call."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if not frame.f_code.co_filename.startswith(_NOT_CALLERS):
+            return frame.f_code, frame.f_lineno
+        frame = frame.f_back
+    return None
 
 
 def accumulated(group: Group) -> int:

@@ -137,7 +137,11 @@ def rearm_as_group_rank(watchdog: Any) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    with contextlib.suppress(Exception):  # on the training thread: never the user's training
+        _rearm(watchdog, dist.get_rank(), dist.get_world_size())
+
+
+def _rearm(watchdog: Any, rank: int, world: int) -> None:
     if rank == watchdog.rank and world == int(os.environ.get("WORLD_SIZE", "1")):
         return
     if rank != watchdog.rank:

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     files = load(run_dir)
     status = run_status(run_dir.read_meta())
     findings = judge(files, run_status=status)
-    if status is not None and not args.json:  # how the run ended comes first: a finished run did not hang
+    if status not in (None, "running") and not args.json:  # how it ended comes first: finished is no hang
         ended = run_dir.read_meta()["probes"]["watch"]
         code = ended.get("exit_code")
         print(f"the run {status}" + (f" (exit {code})" if isinstance(code, int) else "") + ".")

@@ -16,7 +16,12 @@ observed one only (never the embedded DeepSeek config), and the job's name is th
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import stat
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.errors import UserError
@@ -39,6 +44,84 @@ class ResolvedSpec:
         """False when the job showed nothing of `section` (e.g. no DataLoader): no recommendation there."""
         keys = self.observed.get(section)
         return self.kind != "observed" or bool(isinstance(keys, dict) and keys)
+
+
+RANK_FILE = re.compile(r"^observed\.rank(\d+)\.json$")
+RANK_FILE_MAX_BYTES = 1 << 20
+SETTING_SECTIONS = ("batch", "optim", "precision", "dataloader", "distributed", "model")
+MAX_DISAGREEMENTS = 20
+
+
+def merge_ranks(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """meta.json with the other ranks' records (RUN/observed.rank<R>.json, which every rank but 0 writes)
+    merged into `observed`: rank 0's settings stand, and `observed.ranks` says which ranks recorded and
+    where they disagree ({"dataloader.num_workers": {"2": [0], "4": [1, 3]}}). With no rank 0 record
+    (rank 0 died before its first step), the lowest rank's record stands."""
+    others: dict[int, dict[str, Any]] = {}
+    try:
+        names = sorted(p.name for p in path.iterdir() if RANK_FILE.match(p.name))
+    except OSError:
+        return meta
+    for name in names:
+        record = _read_small_json(path / name)
+        if isinstance(record, dict) and isinstance(record.get("job"), dict):
+            others[int(RANK_FILE.match(name).group(1))] = record  # type: ignore[union-attr]
+    if not others:
+        return meta
+    observed = meta.get("observed") if has_observed(meta) else None
+    records = dict(others)
+    if observed is not None:
+        records[0] = observed
+    else:
+        observed = records[min(records)]
+    flat = {rank: _settings(record) for rank, record in records.items()}
+    disagree: dict[str, dict[str, list[int]]] = {}
+    for key in sorted({k for values in flat.values() for k in values}):
+        seen: dict[str, list[int]] = {}
+        for rank in sorted(flat):
+            seen.setdefault(json.dumps(flat[rank].get(key), sort_keys=True), []).append(rank)
+        if len(seen) > 1 and len(disagree) < MAX_DISAGREEMENTS:
+            disagree[key] = seen
+    observed = {**observed, "ranks": {"recorded": sorted(records), "disagree": disagree}}
+    return {**meta, "observed": observed}
+
+
+def _settings(record: dict[str, Any]) -> dict[str, Any]:
+    """A record's settings as dotted keys (the per-rank facts a job may set differently on purpose, such
+    as the steps each rank ran, stay out)."""
+    out = {}
+    for section in SETTING_SECTIONS:
+        values = record.get(section)
+        if isinstance(values, dict):
+            for key, value in values.items():
+                if key not in ("lr_ran", "env", "loaders"):
+                    out[f"{section}.{key}"] = value
+    return out
+
+
+def _read_small_json(path: Path) -> Any:
+    """A run file another process wrote: never through a symlink, at most RANK_FILE_MAX_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb") as fh:
+            fd = -1
+            raw = fh.read(RANK_FILE_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        if fd != -1:
+            os.close(fd)
+    if len(raw) > RANK_FILE_MAX_BYTES:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
 
 
 def has_observed(meta: dict[str, Any]) -> bool:
@@ -98,6 +181,12 @@ def describe_observed(observed: dict[str, Any]) -> list[tuple[str, str]]:
     job = observed.get("job") or {}
     if job.get("argv"):
         rows.append(("script", " ".join(str(a) for a in job["argv"])))
+    ranks = observed.get("ranks") if isinstance(observed.get("ranks"), dict) else {}
+    if ranks.get("recorded"):
+        said = f"{len(ranks['recorded'])} recorded their settings; rank {min(ranks['recorded'])}'s are shown"
+        for key, values in (ranks.get("disagree") or {}).items():
+            said += f"; {key} differs: " + ", ".join(f"{v} on ranks {r}" for v, r in values.items())
+        rows.append(("ranks", said))
     for section in ("job", "batch", "optim", "precision", "dataloader", "distributed", "model"):
         values = observed.get(section)
         if not isinstance(values, dict):

@@ -231,9 +231,12 @@ def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
 # What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints,
-# Parquet copies, and the hang watchdog's files (a rank arms it, writing hang.rank<R>.armed.json, before
-# rank 0 has written meta.json; `hang --pid --out D` writes only hang.* files).
-_RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|checkpoints|checkpoint-check)$")
+# Parquet copies, a rank's observed settings (observed.rank<R>.json), and the hang watchdog's files (a rank
+# arms it, writing hang.rank<R>.armed.json, before rank 0 has written meta.json; `hang --pid --out D`
+# writes only hang.* files).
+_RUN_ENTRY = re.compile(
+    r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|observed\.rank\d+\.json|checkpoints|checkpoint-check)$"
+)
 
 
 def _is_our_meta(path: Path) -> bool:

@@ -51,6 +51,9 @@ def test_hf_trainer_settings_are_observed(tmp_path):
     assert optim["warmup_pct"] == 3 / 8
     assert observed["dataloader"]["batch_size"] == 4
     assert observed["dataloader"]["num_workers"] == 0
+    # the loader keeps a SequentialSampler it never draws from; the batches come from the batch sampler's
+    assert observed["dataloader"]["sampler"] == "RandomSampler"
+    assert optim["lr_constructed"] == 5e-4  # learning_rate, beside the warm-up that ran from 0
     assert observed["precision"]["mode"] == "fp32"
     assert observed["job"]["seed"] == 3  # TrainingArguments(seed=3): the Trainer's set_seed
     html, toml, tips = report_of(out)

@@ -19,6 +19,7 @@ from ciuic_doctor.analysis._stability_climb import RECOVERED_RATIO, Climb, find_
 from ciuic_doctor.analysis._stability_spikes import spikes
 
 __all__ = ["clipping", "divergence", "nonfinite", "spikes"]
+from ciuic_doctor.analysis._series_kind import adversarial_divergence
 from ciuic_doctor.analysis._stability_findings import _finding, _g, _times
 from ciuic_doctor.findings import Finding
 
@@ -33,14 +34,19 @@ DIVERGENCE_MIN_POINTS = 16  # 8 blocks of 2 points: fewer cannot tell a rise fro
 # ---- spikes and divergence ---------------------------------------------------------------------
 
 
-def divergence(curve: Curve) -> tuple[int | None, list[Finding]]:
+def divergence(curve: Curve, *, adversarial: bool = False) -> tuple[int | None, list[Finding]]:
     """(onset step of a divergence, findings): the loss ends far above its best (find_divergence), climbed
     steadily and did not come back (find_climb: an epoch-boundary drop at the end cannot hide it), ends in
-    NaN/inf, or its eval loss rose from its best and stayed up (find_eval_rise)."""
+    NaN/inf, or its eval loss rose from its best and stayed up (find_eval_rise).
+
+    `adversarial`: the series is one of several optimizers' coupled losses (a GAN's): its level is not its
+    quality, so only a non-finite tail is judged (_series_kind)."""
     has_loss = np.isfinite(curve.loss).any()
     if not has_loss and not curve.nonfinite.any():
         return None, [_finding("divergence", "not_run", "no loss values in this log")]
-    points = int((np.isfinite(curve.loss) & (curve.loss > 0)).sum())
+    if adversarial:
+        return None, adversarial_divergence(curve, _nonfinite_tail(curve))
+    points = int(np.isfinite(curve.loss).sum())  # 0.0 is a loss too
     quantum = quantum_of(curve.loss)
     found = find_divergence(curve.step, curve.loss, quantum=quantum)
     climb = find_climb(curve.step, curve.loss, curve.lr, quantum=quantum) if found is None else None

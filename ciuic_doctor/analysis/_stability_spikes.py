@@ -57,8 +57,13 @@ TIGHT_ROWS = 2
 TIGHT_STEPS = 5
 
 
-def spikes(curve: Curve, diverged_at: int | None) -> tuple[list[Spike], list[Spike], list[Finding]]:
-    """(loss events raised, grad-norm spikes, findings); `diverged_at` is the divergence's onset step."""
+def spikes(
+    curve: Curve, diverged_at: int | None, *, adversarial: bool = False
+) -> tuple[list[Spike], list[Spike], list[Finding]]:
+    """(loss events raised, grad-norm spikes, findings); `diverged_at` is the divergence's onset step.
+
+    `adversarial`: a coupled loss (a GAN's) whose rise never comes back is its level, which is not judged
+    (_series_kind); a spike that recovers still is."""
     grad_spikes = find_spikes(
         curve.step, curve.grad_norm, GRAD_NORM_RULE, quantum=quantum_of(curve.grad_norm)
     )
@@ -68,7 +73,9 @@ def spikes(curve: Curve, diverged_at: int | None) -> tuple[list[Spike], list[Spi
         raw = [
             s for s in raw if s.recovered_after_steps is not None or s.start_step < diverged_at - LEAD_STEPS
         ]
-    has_grad = int((np.isfinite(curve.grad_norm) & (curve.grad_norm > 0)).sum()) >= MIN_POINTS
+    if adversarial:
+        raw = [s for s in raw if s.recovered_after_steps is not None]
+    has_grad = int(np.isfinite(curve.grad_norm).sum()) >= MIN_POINTS  # 0.0 is a norm
     grad = grad_spikes if has_grad else None
     events = merge_events(raw, curve.step)
     outliers = [s for s, parts in events if parts == 1 and _hard_batch(curve, s, grad)]
@@ -89,7 +96,7 @@ def spikes(curve: Curve, diverged_at: int | None) -> tuple[list[Spike], list[Spi
     ]
     minor = [j for j in judged if j.verdict == "minor"]
     raised = [j for j in judged if j.verdict != "minor"]
-    has_loss = int((np.isfinite(curve.loss) & (curve.loss > 0)).sum()) >= MIN_POINTS
+    has_loss = int(np.isfinite(curve.loss).sum()) >= MIN_POINTS  # 0.0 is a loss
     row_steps = float(np.median(curve.interval)) if len(curve.interval) else 1.0
     calm, answered = [], grad_spikes
     if has_loss:
@@ -234,7 +241,7 @@ def _spike_findings(
     quiet: int = 0,
     curve: Curve | None = None,
 ) -> list[Finding]:
-    points = int((np.isfinite(values) & (values > 0)).sum())
+    points = int(np.isfinite(values).sum())  # 0.0 and -0.0 are values
     if points < MIN_POINTS:
         why = (
             f"no {name} in this log"

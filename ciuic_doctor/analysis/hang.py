@@ -42,6 +42,7 @@ _LIBRARY = (
     "/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/probes/watch", "/lib/python3",
     "<frozen",
 )  # fmt: skip
+_LAUNCHERS = ("ciuic-doctor", "torchrun", "__main__.py")  # console scripts and `python -m`: never the culprit
 _GONE = {"gone", "exited"}
 _PEER_LOST = re.compile(r"(closed|reset) by peer|Connection refused|Broken pipe", re.IGNORECASE)
 _KEEP_NEXT_TIME = (
@@ -93,12 +94,19 @@ class Position:
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The innermost frame in the user's code (frames are innermost first)."""
+    """The innermost frame in the user's code (frames are innermost first); never one of watch's own, nor
+    a console script's (`bin/ciuic-doctor`, `bin/torchrun`: the frame that runs everything below it)."""
     for frame in frames:
         name = str(frame.get("file") or frame.get("filename") or "")
-        if not any(part in name for part in _LIBRARY):
+        if not any(part in name for part in _LIBRARY) and name.rsplit("/", 1)[-1] not in _LAUNCHERS:
             return frame
     return None
+
+
+def run_status(meta: dict[str, Any]) -> str | None:
+    """How the watched run ended (meta.json probes.watch.status: finished, failed, killed ...), if known."""
+    watch = (meta.get("probes") or {}).get("watch") if isinstance(meta.get("probes"), dict) else None
+    return watch.get("status") if isinstance(watch, dict) and isinstance(watch.get("status"), str) else None
 
 
 def _where(frame: dict[str, Any] | None) -> str | None:
@@ -178,7 +186,10 @@ def positions(files: HangFiles) -> dict[int, Position]:
         pos = Position(rank=rank, host=(files.armed.get(rank) or files.dumps.get(rank) or {}).get("host"))
         dump = files.dumps.get(rank)
         threads = None
-        if dump is not None and not dump.get("resumed_t"):
+        if dump is not None and dump.get("resumed_t"):  # it stepped again after the dump: a pause
+            pos.source, pos.state, threads = "watchdog", "resumed", dump.get("threads")
+            pos.reason = dump.get("reason")
+        elif dump is not None:
             pos.source, pos.state, threads = "watchdog", "running", dump.get("threads")
             pos.error, pos.reason = dump.get("error"), dump.get("reason")
             if rank in files.fr_entries:
@@ -295,9 +306,12 @@ def classify(pos: dict[int, Position]) -> dict[str, Any]:
     if waiting and len(waiting) == len(pos):
         return _verdict("in-collective", [], waiting, ref, "every rank entered it and none completed")
     if not waiting:  # nobody waits in a collective: a stall of the job itself (one process), or no hang
-        stalled = [p for p in pos.values() if p.reason == "no-progress"]
+        stalled = [p for p in pos.values() if p.reason == "no-progress" and p.state != "resumed"]
         if stalled:
-            return _verdict("stall", stalled, [], None, "made no step for its hang-after seconds")
+            why = "made no optimizer step for its hang-after seconds and its main thread did not move"
+            if len(pos) == 1:  # one process: nothing to wait for in a collective
+                why = "(a single process, no collective to wait in) " + why
+            return _verdict("stall", stalled, [], None, why)
         return _verdict("none", [], [], None, "no rank waits in a collective")
     unseen = [p for p in pos.values() if p.source == "none"]
     return _verdict("unknown", unseen, waiting, ref, "left no dump")
@@ -349,7 +363,7 @@ def analyze(run: RunDir) -> list[Finding]:
         return []
     files = load(run)
     if files.any:
-        return judge(files)
+        return judge(files, run_status=run_status(run.read_meta()))
     if files.armed:
         ranks = sorted(files.armed)
         return [
@@ -357,18 +371,23 @@ def analyze(run: RunDir) -> list[Finding]:
                 probe=PROBE,
                 check="hang",
                 verdict="pass",
-                summary=f"no hang: the watchdog was armed on {len(ranks)} ranks and dumped nothing",
+                summary=f"no hang: the watchdog was armed on {_count(len(ranks), 'rank')} and dumped nothing",
                 evidence={"armed_ranks": ranks},
             )
         ]
     return []
 
 
-def judge(files: HangFiles) -> list[Finding]:
-    """The `hang` finding (what hung, who, where, what to do) and `dumps` (which ranks were seen)."""
+def judge(files: HangFiles, *, run_status: str | None = None) -> list[Finding]:
+    """The `hang` finding (what hung, who, where, what to do) and `dumps` (which ranks were seen).
+    `run_status`: meta.json's probes.watch.status; a run that `finished` (exit 0) did not hang."""
     if not files.any:
         return [Finding(probe=PROBE, check="hang", verdict="not_run", summary="no hang dumps in this run")]
     pos = positions(files)
+    if run_status == "finished":
+        from ciuic_doctor.analysis._hang_ended import finished_run
+
+        return finished_run(files, pos)
     result = classify(pos)
     culprits, waiting, ref = result["culprits"], result["waiting"], result["collective"]
     collective = None
@@ -444,6 +463,10 @@ def judge(files: HangFiles) -> list[Finding]:
         )
     )
     return findings
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
 
 
 def _describe(collective: dict[str, Any]) -> str:

@@ -70,7 +70,9 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
     else:
         names = log.series_names if len(log.series_names) == len(series) else [f"series {k}" for k in series]
         per_series = {
-            name: _judge(fold(log.table[log.table["series"] == k]), log, clip_max_norm)
+            name: _judge(
+                fold(log.table[log.table["series"] == k]), log, clip_max_norm, name in log.adversarial
+            )
             for name, k in zip(names, series, strict=True)
         }
         findings = merge_series(per_series)
@@ -78,15 +80,18 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
     return findings + ([imported] if imported else [])
 
 
-def _judge(curve: Curve, log: StepLog, clip_max_norm: float | None) -> list[Finding]:
+def _judge(
+    curve: Curve, log: StepLog, clip_max_norm: float | None, adversarial: bool = False
+) -> list[Finding]:
     from ciuic_doctor.analysis import _stability_checks as checks
+    from ciuic_doctor.analysis._series_kind import no_learning
     from ciuic_doctor.analysis._stability_scaler import scaler
 
     curve.loss_kind, curve.vocab_size = log.loss_kind, log.vocab_size
     curve.eval_loss = list(log.eval_loss) if curve.series == 0 else []  # the log's eval is its main run's
-    findings: list[Finding] = []
-    diverged, divergence_findings = checks.divergence(curve)
-    _, grad_spikes, spike_findings = checks.spikes(curve, diverged)
+    findings: list[Finding] = no_learning(curve)
+    diverged, divergence_findings = checks.divergence(curve, adversarial=adversarial)
+    _, grad_spikes, spike_findings = checks.spikes(curve, diverged, adversarial=adversarial)
     findings += spike_findings + divergence_findings
     findings += checks.nonfinite(curve)
     findings += scaler(curve, log)

@@ -1,6 +1,6 @@
 """The whole checkup of a training job in one command, into one run directory. On the embedded
-DeepSeek-V3 job by default (or the job --spec describes; `-- train.py [args]` checks your own script,
-see checkup/script.py), each phase runs as a `python -m ciuic_doctor`
+DeepSeek-V3 job by default (or the job --spec describes; `-- train.py [args]` checks your own script
+under watch and memwatch; see README, "Your own script"), each phase runs as a `python -m ciuic_doctor`
 subprocess writing into the same RUN, in this order: comm-bench on --nproc local ranks (a small size range;
 with CUDA up to twice the gradient bucket, so Ring vs Tree is judged where the job's all-reduces are);
 loader-sweep within --loader-budget seconds; the job itself under watch, with memwatch attached to it by
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
         "checkup --baseline <first run>)",
     )
-    script = parser.add_argument_group("your own script (issue 14): checkup [options] -- train.py [args]")
+    script = parser.add_argument_group("your own script: checkup [options] -- train.py [args]")
     script.add_argument(
         "--dataset",
         metavar="MODULE:CALLABLE",
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.checkup import script as checkup_script
     from ciuic_doctor.errors import UserError
 
-    if script := checkup_script.script_argv(args):  # issue 14: the user's own script
+    if script := checkup_script.script_argv(args):  # the user's own script
         return checkup_script.run(args, script)
     if args.dataset:
         raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")

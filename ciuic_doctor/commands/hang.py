@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.analysis.hang import judge
+    from ciuic_doctor.analysis.hang import judge, run_status
     from ciuic_doctor.errors import UserError
     from ciuic_doctor.hang_files import has_hang_dumps, load
     from ciuic_doctor.render_text import findings_table
@@ -66,14 +66,19 @@ def run(args: argparse.Namespace) -> int:
                 "it ran without watch: use `ciuic-doctor hang --pid PID` while it hangs"
             )
     files = load(run_dir)
-    findings = judge(files)
+    status = run_status(run_dir.read_meta())
+    findings = judge(files, run_status=status)
+    if status not in (None, "running") and not args.json:  # how it ended comes first: finished is no hang
+        ended = run_dir.read_meta()["probes"]["watch"]
+        code = ended.get("exit_code")
+        print(f"the run {status}" + (f" (exit {code})" if isinstance(code, int) else "") + ".")
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:
         print(findings_table(findings))
         hang = findings[0]
         for row in hang.evidence.get("ranks", []):
-            where = row["frame"] or "?"
+            where = row.get("frame") or "?"
             inside = f"in {row['op']} #{row['seq']}" if row.get("in_collective") else "outside any collective"
             print(f"  rank {row['rank']}: {row['state'] or 'unseen'} ({row['source']}), {inside}, at {where}")
         if hang.evidence.get("next"):

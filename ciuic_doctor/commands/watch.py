@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CUDA only: record allocation history and dump RUN/memory_snapshot.rank<R>.pickle "
         "(open at pytorch.org/memory_viz) when allocated memory keeps growing",
     )
-    parser.add_argument(  # issue 14
+    parser.add_argument(
         "--steps",
         type=positive_int,
         metavar="N",
@@ -77,7 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not attach watch to the ranks the script starts itself (mp.spawn, a re-run of its argv)",
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a rank started by one
-    # issue 16 (hang doctor): the watchdog's two settings; the code is in probes/watch/hang.py
     parser.add_argument(
         "--hang-after",
         type=positive_float,
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
     watch_children.set_target(argv)
-    watch_observe.stop_after(args.steps)  # issue 14
+    watch_observe.stop_after(args.steps)
     session = attach(
         out=args.out,
         child=args.child,
@@ -180,9 +179,11 @@ def run(args: argparse.Namespace) -> int:
 
     undo_exit = watch_exit.install(on_abrupt_end)
     code, status = 1, "failed"
-    from ciuic_doctor.probes.watch.hang import HangConfig, arm  # issue 16: before the script's process group
+    from ciuic_doctor.probes.watch.hang import HangConfig, arm  # before the script's process group
 
-    disarm = arm(session, HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer))  # issue 16
+    hang = HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer)
+    watch_children.set_hang({"hang_after_s": hang.hang_after_s, "fr_buffer": hang.fr_buffer})
+    disarm = arm(session, hang)
     try:
         code = run_script(argv)
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
@@ -191,9 +192,9 @@ def run(args: argparse.Namespace) -> int:
         raise
     finally:
         undo_exit()
-        disarm(code)  # issue 16
+        disarm(code)
         session.close()
-        watch_observe.write_meta()  # issue 14: the final `observed`, every step record flushed
+        watch_observe.write_meta()  # the final `observed`, every step record flushed
         report(status, code)
     return code
 
@@ -214,24 +215,38 @@ def _report(
         print(f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}",
               file=sys.stderr)  # fmt: skip
         return
-    steps_all = session.steps_written
+    per_rank = _records_per_rank(session.run, since) if children else {}
+    steps = per_rank.get(session.rank, session.steps_written) if children else session.steps_written
+    fields = {"status": status, "exit_code": code, "steps": steps, "segment": session.segment}
     if children:
-        steps_all = sum(1 for r in session.run.read("steps").records if (r.get("t") or 0) >= since)
-    fields = {"status": status, "exit_code": code, "steps": session.steps_written, "segment": session.segment}
-    if children:
-        fields.update(children=children, steps_all_processes=steps_all)
+        fields.update(children=children, steps_all_processes=sum(per_rank.values()))
     if session.checksum_note:
         fields["checksum"] = session.checksum_note
     if session.rank == 0:
         session.run.record_probe("watch", argv=argv, **fields)
     line = f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}"
-    if children:
-        line += (
-            f"; {children} process(es) the script started recorded {steps_all - session.steps_written} more"
+    if children and not session.steps_written:  # mp.spawn: the ranks are the children; say what each holds
+        held = ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items())) or "none"
+        line = (
+            f"ciuic-doctor watch: {children} process(es) the script started recorded their steps in "
+            f"{session.run.path} ({held} step records this run)"
         )
+    elif children:
+        others = sum(n for r, n in per_rank.items() if r != session.rank)
+        line += f"; {children} process(es) the script started recorded {others} more"
     elif session.steps_written == 0 and code == 0:
         line += (
             " -- no optimizer step was seen: the script stepped no torch.optim optimizer in this process "
             "(see README, 'What watch understands')"
         )
     print(line, file=sys.stderr)
+
+
+def _records_per_rank(run: Any, since: float) -> dict[int, int]:
+    """Step records each rank's file holds from this run (t >= since: a re-run appends to a resumed one)."""
+    counts: dict[int, int] = {}
+    for record in run.read("steps").records:
+        rank = record.get("rank")
+        if isinstance(rank, int) and (record.get("t") or 0) >= since:
+            counts[rank] = counts.get(rank, 0) + 1
+    return counts

@@ -111,9 +111,27 @@ def _batch(meta: dict[str, Any]) -> tuple[int, int] | None:
     batch = spec.get("batch") if isinstance(spec.get("batch"), dict) else {}
     samples = (meta.get("job_run") or {}).get("global_batch")
     if not isinstance(samples, int):
+        samples = _observed_global_batch(meta)
+    if not isinstance(samples, int):
         return None
     seq_len = batch.get("seq_len")
     return samples, samples * seq_len if isinstance(seq_len, int) else 0
+
+
+def _observed_global_batch(meta: dict[str, Any]) -> int | None:
+    """A watched script's samples per optimizer step: the loader's batch x micro-batches accumulated x
+    ranks (observed.batch.per_process, grad_accum, distributed.world_size; one rank when it made none)."""
+    observed = meta.get("observed") if isinstance(meta.get("observed"), dict) else {}
+    batch = observed.get("batch") if isinstance(observed.get("batch"), dict) else {}
+    per_process = batch.get("per_process")
+    if not isinstance(per_process, int) or isinstance(per_process, bool) or per_process <= 0:
+        return None
+    accum = batch.get("grad_accum")
+    distributed = observed.get("distributed") if isinstance(observed.get("distributed"), dict) else {}
+    world = distributed.get("world_size")
+    accum = accum if isinstance(accum, int) and accum > 0 else 1
+    world = world if isinstance(world, int) and world > 0 else 1
+    return per_process * accum * world
 
 
 def compare_runs(run_a: RunDir, run_b: RunDir) -> Comparison:

@@ -22,9 +22,10 @@ The table (a pandas DataFrame, one row per logged step or logging interval, in f
                             resumed run); StepLog.series_names names them
     source          str     "<format>:<file name>"
 
-A value a framework prints when it did not compute it is missing, not a number: a loss scale ≤ 0
-(Megatron-DeepSpeed's pipeline engine prints `loss scale: -1.0`) and a grad norm ≤ 0 (`grad norm: 0.000`;
-a real total gradient norm is never exactly 0 while a model trains) become NaN.
+A value a text log prints when it did not compute it is missing, not a number: a loss scale ≤ 0
+(Megatron-DeepSpeed's pipeline engine prints `loss scale: -1.0`) and a grad norm ≤ 0 (`grad norm: 0.000`)
+become NaN (`normalize(placeholders=...)`). Our own steps stream has no placeholders: watch writes null for
+what it did not measure, so a 0.0 (or -0.0) loss or grad norm there is a value, and judged as one.
 
 Formats: `ours` (the steps stream of a run directory), `megatron`, `deepspeed` (+ apex and fairseq
 overflow lines), `hf` (trainer_state.json), `lightning` (CSVLogger metrics.csv), `nanogpt` (`iter N: loss
@@ -114,6 +115,7 @@ class StepLog:
     steps_known: bool = True
     scaler: dict[str, Any] = field(default_factory=dict)
     series_names: list[str] = field(default_factory=list)
+    adversarial: list[str] = field(default_factory=list)  # series that are coupled (GAN) losses
     engines: int = 1
     notes: list[str] = field(default_factory=list)
     eval_loss: list[tuple[int, float]] = field(default_factory=list)
@@ -172,11 +174,16 @@ def empty_table() -> pd.DataFrame:
     return normalize({})
 
 
-def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
+PLACEHOLDERS = ("loss_scale", "grad_norm", "attempted_scale")
+
+
+def normalize(
+    columns: dict[str, Any], *, source: str = "", placeholders: tuple[str, ...] = PLACEHOLDERS
+) -> pd.DataFrame:
     """A DataFrame with exactly COLUMNS and their dtypes from whatever subset `columns` holds.
 
     Anything that is not a number becomes NaN (a row without a step is dropped); counts are clipped at 0,
-    intervals at 1, and a rank must be a whole number ≥ 0.
+    intervals at 1, and a rank must be a whole number ≥ 0; the `placeholders` columns' values ≤ 0 are NaN.
     """
     import numpy as np
     import pandas as pd
@@ -211,7 +218,7 @@ def normalize(columns: dict[str, Any], *, source: str = "") -> pd.DataFrame:
     series = np.nan_to_num(kept(number("series", 0.0)), nan=0.0, posinf=0.0, neginf=0.0)
     floats = {name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS}
     with np.errstate(invalid="ignore"):
-        for name in ("loss_scale", "grad_norm", "attempted_scale"):  # placeholders (-1.0, 0.000): no values
+        for name in placeholders:  # a text log's placeholders (-1.0, 0.000): no values
             floats[name] = np.where(floats[name] > 0, floats[name], np.nan)
     frame = pd.DataFrame(
         {

@@ -83,6 +83,7 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
             "interval_steps": interval,
         },
         source=f"ours:{name}",
+        placeholders=(),  # watch writes null for what it did not measure: 0.0 is a value
     )
     log = StepLog(table=table, read_lines=read_lines, unread_lines=unread_lines, framework="gradscaler")
     log.series_names = series_names
@@ -121,6 +122,7 @@ def _apply_meta(log: StepLog, folder: Path) -> None:
     source = meta.get("source") if isinstance(meta, dict) else None
     if isinstance(source, dict) and isinstance(source.get("import"), dict):
         _apply_import(log, source["import"])
+    _apply_coupled(log, meta)
     job = meta.get("job") if isinstance(meta, dict) else None
     if not isinstance(job, dict):
         return
@@ -130,6 +132,23 @@ def _apply_meta(log: StepLog, folder: Path) -> None:
         log.clip_max_norm = clip if clip is not None and math.isfinite(clip) else None
     if isinstance(precision, dict) and isinstance(precision.get("mode"), str):
         log.precision = precision["mode"]
+
+
+def _apply_coupled(log: StepLog, meta: Any) -> None:
+    """The optimizers whose losses watch saw coupled (observed.optim.coupled_optimizers: [i, j] = i's loss
+    goes through j's parameters, a GAN) are adversarial series: the stability analysis judges them apart."""
+    observed = meta.get("observed") if isinstance(meta, dict) else None
+    optim = observed.get("optim") if isinstance(observed, dict) else None
+    pairs = optim.get("coupled_optimizers") if isinstance(optim, dict) else None
+    if not isinstance(pairs, list):
+        return
+    coupled = {i for pair in pairs if isinstance(pair, list) for i in pair if isinstance(i, int)}
+    log.adversarial = [name for name in log.series_names if _index(name) in coupled]
+
+
+def _index(series_name: str) -> int | None:
+    tail = series_name.rsplit(" ", 1)[-1]
+    return int(tail) if tail.isdigit() else None
 
 
 def _apply_import(log: StepLog, summary: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.findings import Finding, overall_verdict
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
-from ciuic_doctor.observed import ResolvedSpec, fallback, has_observed, spec_from_observed
+from ciuic_doctor.observed import ResolvedSpec, fallback, has_observed, merge_ranks, spec_from_observed
 from ciuic_doctor.store import RunDir
 
 OUTPUTS = ("report.html", "recommended.env", "recommended.toml", "recommendations.json", "summary.md")
@@ -95,7 +95,7 @@ def build_report(
     from ciuic_doctor.seed_tips import evaluate_tips
     from ciuic_doctor.store import as_float
 
-    meta = run.read_meta()
+    meta = merge_ranks(run.path, run.read_meta())  # every rank's `observed`, disagreements noted
     resolved = resolve_spec(meta, spec_path)
     spec = resolved.spec
     result = ReportResult()
@@ -166,7 +166,9 @@ def build_report(
         ),
         "recommended.env": run.write_text("recommended.env", env_text),
         "recommended.toml": run.write_text(
-            "recommended.toml", _toml_header(resolved) + files.spec_toml(spec, plan, run=run_name)
+            "recommended.toml",
+            _toml_header(resolved)
+            + files.spec_toml(spec, plan, run=run_name, omit=_unobserved_optim(resolved, plan)),
         ),
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),
@@ -177,6 +179,15 @@ def build_report(
     result.findings = [*findings, *plan.findings]
     result.overall = overall_verdict(result.findings)
     return result
+
+
+def _unobserved_optim(resolved: ResolvedSpec, plan: Any) -> list[str]:
+    """An observed job's optimizer keys that nobody observed and no recommendation sets: left out of
+    recommended.toml, whose defaults (AdamW's betas and weight decay) would describe another optimizer."""
+    if resolved.kind != "observed":
+        return []
+    recommended = {r.setting for r in plan.recommendations}
+    return [k for k in resolved.assumed if k.startswith("optim.") and k not in recommended]
 
 
 def _toml_header(resolved: ResolvedSpec) -> str:

@@ -198,7 +198,11 @@ def summary_md(
     return "\n".join(lines) + "\n"
 
 
-def spec_toml(spec: JobSpec, plan: Plan, *, run: str) -> str:
+def spec_toml(spec: JobSpec, plan: Plan, *, run: str, omit: Sequence[str] = ()) -> str:
+    """The spec with the plan applied, as TOML; `omit`: dotted keys left out (an observed job's optimizer
+    settings nobody observed: the defaults are AdamW's, and the job may run LBFGS or SGD)."""
+    import tomli_w
+
     header = "\n".join(
         [
             *_comment(f"ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied."),
@@ -207,4 +211,13 @@ def spec_toml(spec: JobSpec, plan: Plan, *, run: str) -> str:
             "",
         ]
     )
-    return header + dump_spec(recommended_spec(spec, plan))
+    if not omit:
+        return header + dump_spec(recommended_spec(spec, plan))
+    data = recommended_spec(spec, plan).to_dict()
+    for dotted in omit:
+        section, _, key = dotted.partition(".")
+        if isinstance(data.get(section), dict):
+            data[section].pop(key, None)
+    note = _comment("Left out (not observed; the defaults would be another optimizer's): " + ", ".join(omit))
+    body = tomli_w.dumps({k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in data.items()})
+    return header + "\n".join(note) + "\n" + body

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-_STATE: dict[str, Any] = {"spawn_index": None, "target": None, "children": 0}
+_STATE: dict[str, Any] = {"spawn_index": None, "target": None, "children": 0, "hang": None, "step_aside": []}
 _USER_MODULES = ("__main__", "__mp_main__")
 _TORCH_SPAWN_WRAP = ("torch.multiprocessing.spawn", "_wrap")  # mp.spawn's per-process entry point
 
@@ -33,6 +33,26 @@ _TORCH_SPAWN_WRAP = ("torch.multiprocessing.spawn", "_wrap")  # mp.spawn's per-p
 def set_target(argv: list[str]) -> None:
     """The command line `watch` runs (`script.py ...` or `-m module ...`): a re-run of it is a rank."""
     _STATE["target"] = list(argv)
+
+
+def set_hang(settings: dict[str, Any] | None) -> None:
+    """The hang watchdog's settings (HangConfig's fields): a rank the script starts arms its own with them."""
+    _STATE["hang"] = dict(settings) if settings is not None else None
+
+
+def on_first_rank_started(callback: Callable[[], None]) -> None:
+    """Call `callback()` (once) when this process starts its first rank through multiprocessing: from then
+    on it launches and waits, and the ranks are its children (the watchdog steps aside for theirs)."""
+    _STATE["step_aside"].append(callback)
+
+
+def hang_settings() -> dict[str, Any] | None:
+    return _STATE["hang"]
+
+
+def watched_argv() -> list[str] | None:
+    """The command line watch runs (`script.py args` or `-m module args`), None when not set."""
+    return list(_STATE["target"]) if _STATE["target"] is not None else None
 
 
 def children_started() -> int:
@@ -79,6 +99,9 @@ def install(session: Any) -> Callable[[], None]:
                 index = _spawn_index(target, getattr(process, "_args", ()))
                 process._target = session.watched_target(target, index=index)
                 _STATE["children"] += 1
+                if _STATE["children"] == 1 and not session.steps_written:
+                    for callback in _STATE["step_aside"]:
+                        callback()  # the launcher's watchdog: the ranks arm their own
             return original(process)
 
         return start

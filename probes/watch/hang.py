@@ -3,7 +3,8 @@
 A thread per rank watches two cheap signs of life: the time of the last optimizer step (a listener on the
 watch session's records) and the count of completed collectives in Flight Recorder's per-group status
 (`_dump_fr_trace` without entries: ~0.1 ms, polled every 0.5 s off the training thread). When neither moved
-for `hang_after_s`, or when a collective raises (a timeout, a peer that reset the connection), it writes
+for `hang_after_s` and the main thread is not working either (hang_poll.still_moving: an evaluation is
+not a hang), or when a collective raises (a timeout, a peer that reset the connection), it writes
 
     RUN/hang.rank<R>.json        why, when, the last step, Flight Recorder's group status, every thread's
                                  Python stack, and the state of the other ranks on this host
@@ -11,10 +12,10 @@ for `hang_after_s`, or when a collective raises (a timeout, a peer that reset th
     RUN/hang.fr/rank<R>          Flight Recorder's own dump (torch's pickle, the file torchfrtrace reads)
     RUN/hang.rank<R>.last.json   the last Python collective issued (watch_hang_last: for a rank gloo aborts)
 
-once per stall, without stopping the job. `kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends)
-asks for the same dump at any time; it is read by this thread through a wake-up socket, so it works while
-the main thread is blocked inside a collective. A fatal signal (gloo aborts a rank that receives a
-different size than it expects) leaves faulthandler's stacks in RUN/hang.rank<R>.fatal.txt.
+once per stall, without stopping the job; never while watch closes, and never over an earlier dump.
+`kill -USR1 <rank pid>` (what `ciuic-doctor hang --pid` sends) asks for a dump at any time, through a
+wake-up socket this thread reads, so it works while the main thread is blocked inside a collective. A
+fatal signal (gloo aborts a rank sent another size) leaves faulthandler's stacks in hang.rank<R>.fatal.txt.
 
     >>> default_hang_after(step_times_s=[0.5] * 10, pg_timeout_s=600.0)
     30.0
@@ -41,6 +42,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic_doctor.probes.watch import children as watch_children
+from ciuic_doctor.probes.watch.hang_poll import (
+    Look,
+    _pg_timeout_s,
+    fr_status,
+    keep_earlier,
+    rearm_as_group_rank,
+    release_files,
+    still_moving,
+)
 from ciuic_doctor.probes.watch.hang_where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.store import RunDir
 
@@ -85,21 +96,17 @@ def arm(session: Any, config: HangConfig | None = None) -> Callable[..., None]:
     watchdog = HangWatchdog(run=session.run, rank=session.rank, config=config)
     session.add_listener(watchdog.on_step)
     watchdog.start()
+    watch_children.on_first_rank_started(watchdog.step_aside)  # mp.spawn: the ranks arm their own
     return watchdog.stop
 
 
-def fr_status() -> dict[str, Any] | None:
-    """Flight Recorder's per-group counters ({pg: {last_enqueued_collective, last_completed_collective}})."""
-    import pickle
-
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
+def arm_quietly(session: Any, settings: dict[str, Any] | None) -> Callable[..., None] | None:
+    """`arm` for a rank the script started (mp.spawn); None when the launcher armed none, or on an error."""
+    try:
+        return arm(session, HangConfig(**settings)) if settings is not None else None
+    except Exception as exc:
+        print(f"ciuic-doctor watch: hang watchdog not armed in pid {os.getpid()}: {exc!r}", file=sys.stderr)
         return None
-    from torch._C._distributed_c10d import _dump_fr_trace
-
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=False, includeStackTraces=False, onlyActive=False))
-    return dump.get("pg_status") or {}
 
 
 class HangWatchdog:
@@ -129,6 +136,9 @@ class HangWatchdog:
         self._dumping = False
         self._terminating = False
         self._term_pending = False
+        self._closing, self._armed_checked = False, False  # closing: stop() began, no stall is judged
+        self._look: Look | None = None  # the main thread at the last poll of a stall; dumps so far:
+        self._dumps = 0  # a later one keeps the earlier (hang.rank<R>.earlier<k>.*)
 
     # ---- installing -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -172,23 +182,28 @@ class HangWatchdog:
     def stop(self, exit_code: int | None = None) -> None:
         """Disarm. A stall dumped earlier in a script that then exited 0 was a long pause (a final save,
         an evaluation), not a hang: it is marked resumed, so it is not judged as one."""
+        self._closing = True  # first: the watchdog thread must not dump while watch closes
+        self._stop.set()
         if exit_code == 0 and (self._stalled_dump or self._resume_pending):
             self._stalled_dump = self._resume_pending = False
             self._mark_resumed()
-        self._stop.set()
         for undo in reversed(self._undo):
             with contextlib.suppress(Exception):
                 undo()
         self._undo.clear()
 
-    def _write_armed(self) -> None:
+    def step_aside(self) -> None:  # this process launches the ranks (mp.spawn): they arm their own
+        self.stop(None)
+        release_files(self.run.path, self.rank)
+
+    def _write_armed(self, world_size: int | None = None) -> None:
         self.run.write_json(
             f"hang.rank{self.rank}.armed.json",
             {
                 "schema": 1,
                 "t": time.time(),
                 "rank": self.rank,
-                "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+                "world_size": world_size or int(os.environ.get("WORLD_SIZE", "1")),
                 "host": self.host,
                 "pid": os.getpid(),
                 "start_ticks": start_ticks(os.getpid()),
@@ -331,6 +346,9 @@ class HangWatchdog:
     def on_step(self, record: dict[str, Any]) -> None:
         """The session's listener: one assignment per step (watch's overhead goal is <= 1 % of a step)."""
         self._step = record.get("step")
+        if not self._armed_checked:
+            self._armed_checked = True
+            rearm_as_group_rank(self)
         if record.get("step_time_s"):
             self._step_times.append(record["step_time_s"])
         self._progressed()
@@ -338,6 +356,7 @@ class HangWatchdog:
     def _progressed(self) -> None:
         self._progress_t = time.monotonic()
         self._started = True
+        self._look = None
         if self._stalled_dump:  # the stall ended: the watchdog thread notes it next to the dump (never
             self._stalled_dump = False  # here: the training thread must not wait for a dump in progress)
             self._resume_pending = True
@@ -387,9 +406,13 @@ class HangWatchdog:
                 self._completed = completed
                 self._progressed()
         stalled_s = time.monotonic() - self._progress_t
-        if self._started and not self._stalled_dump and stalled_s > self.hang_after_s():
-            self._stalled_dump = True
-            self.dump("no-progress", stalled_s=stalled_s)
+        if self._closing or not self._started or self._stalled_dump or stalled_s <= self.hang_after_s():
+            return
+        moving = still_moving(self, status)
+        if moving is None:
+            return  # a second look one poll later decides, or it is working and nobody waits on it
+        self._stalled_dump = True
+        self.dump("no-progress", stalled_s=stalled_s, main_thread_moving=moving)
 
     # ---- dumping --------------------------------------------------------------------------------
     def dump(self, reason: str, **fields: Any) -> None:
@@ -401,6 +424,8 @@ class HangWatchdog:
                 return
             self._error_dump = True
         with self._lock:
+            if self._closing and reason in ("no-progress", "collective-error"):
+                return  # watch is closing: the script has returned, nothing of it can be hung
             self._dumping = True
             try:
                 self._dump(reason, **fields)
@@ -414,6 +439,9 @@ class HangWatchdog:
     def _dump(self, reason: str, **fields: Any) -> None:
         t0 = time.perf_counter()
         stacks = thread_stacks()  # first: where every thread is now, before the slow parts below
+        if self._dumps:
+            keep_earlier(self.run.path, self.rank, self._dumps)
+        self._dumps += 1
         fr_file, status = self._write_flight_recorder()
         if reason in ("collective-error", "terminated"):
             time.sleep(PEER_SETTLE_S)  # a peer killed with -9 drops its sockets before the kernel reaps it
@@ -469,14 +497,3 @@ class HangWatchdog:
             if record.get("reason") == "no-progress":
                 record["resumed_t"] = time.time()
                 self.run.write_json(path.name, record)
-
-
-def _pg_timeout_s() -> float | None:
-    """The default group's timeout, from Flight Recorder's own entries (each carries `timeout_ms`)."""
-    import pickle
-
-    from torch._C._distributed_c10d import _dump_fr_trace
-
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-    timeouts = [e["timeout_ms"] for e in dump.get("entries", []) if e.get("timeout_ms")]
-    return timeouts[-1] / 1000 if timeouts else None

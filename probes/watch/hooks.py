@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ciuic_doctor.probes.watch.steps import found_inf
+from ciuic_doctor.probes.watch.warn_origin import call_as_caller
 
 
 def backward(session: Any, original: Callable) -> Callable:
@@ -71,7 +72,7 @@ def scaler_update(session: Any, original: Callable) -> Callable:
 
 def ddp_init(session: Any, original: Callable) -> Callable:
     def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        original(ddp, *args, **kwargs)
+        call_as_caller(original, ddp, *args, **kwargs)  # its warnings keep the script's line
         session._guarded(session.watch_replicas, ddp.module, getattr(ddp, "process_group", None))
 
     return __init__
@@ -79,7 +80,7 @@ def ddp_init(session: Any, original: Callable) -> Callable:
 
 def optimizer_init(session: Any, original: Callable) -> Callable:
     def __init__(optimizer: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-        original(optimizer, *args, **kwargs)
+        call_as_caller(original, optimizer, *args, **kwargs)
         session._guarded(session._on_optimizer_created, optimizer)
 
     return __init__

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 
 from ciuic_doctor.envinfo import redact_env
+from ciuic_doctor.probes.watch.observe_values import _name, _plain, hyper_parameters, yielding_sampler
+from ciuic_doctor.probes.watch.warn_origin import call_as_caller
 
 # The variables a job sets to tune its collectives (the spec's [distributed.env]); launcher-set ones
 # (TORCHELASTIC_*, RANK, MASTER_ADDR) describe the launch, not the job's settings.
@@ -77,6 +79,9 @@ class Observer:
         self.steps = 0
         self.lr: dict[str, Any] = {}
         self.backward_calls: Counter[int] = Counter()
+        self.accumulation: Counter[int] = Counter()  # micro-batches per step (steps.accumulated)
+        self._param_owner: dict[int, int] = {}  # id(parameter) -> index of the optimizer that steps it
+        self.coupled: set[tuple[int, int]] = set()  # (i, j): optimizer i's loss reaches j's parameters
         self.clip_max_norms: Counter[float] = Counter()
         self.records = 0
         self.param_dtype: str | None = None
@@ -121,7 +126,7 @@ class Observer:
                 # before Python 3.14).
                 "multiprocessing_context": start_method or multiprocessing.get_start_method(),
                 "batch_size": batch_size,
-                "sampler": type(loader.sampler).__name__ if loader.sampler is not None else None,
+                "sampler": _name(yielding_sampler(loader)),
                 "batch_sampler": type(loader.batch_sampler).__name__ if loader.batch_sampler else None,
                 "drop_last": bool(loader.drop_last),
                 "dataset": type(loader.dataset).__name__,
@@ -136,7 +141,8 @@ class Observer:
         self.optimizers.append(
             {
                 "class": type(optimizer).__name__,
-                "defaults": {k: _plain(v) for k, v in optimizer.defaults.items() if k in OPTIM_KEYS},
+                # every hyper-parameter the class takes (LBFGS's max_iter, Adafactor's beta2_decay ...)
+                "defaults": hyper_parameters(optimizer.defaults),
                 "fused": bool(optimizer.defaults.get("fused")),
                 # As the script set them: OneCycleLR's cycle_momentum rewrites betas[0] before step 1.
                 "groups_at_init": [
@@ -250,7 +256,31 @@ class Observer:
                 "world_size": dist.get_world_size(),
             }
 
+    def on_any_step(self, optimizer: Any) -> None:
+        """Every optimizer's step: the micro-batches it accumulated, and whether its loss reaches another
+        optimizer's parameters (adversarial objectives: a GAN's generator loss goes through D)."""
+        from ciuic_doctor.probes.watch.steps import accumulated
+
+        index = self._optimizer_index.get(id(optimizer))
+        if index is None:  # built before watch was attached
+            self.on_optimizer(optimizer)
+            index = len(self.optimizers) - 1
+        group = getattr(self.session, "_group", None)
+        if group is None:
+            return
+        if group.sites:
+            self.accumulation[accumulated(group)] += 1
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for pid in mine:
+            self._param_owner.setdefault(pid, index)
+        if group.reached:
+            for pid in group.reached - mine:
+                other = self._param_owner.get(pid)
+                if other is not None and other != index:
+                    self.coupled.add((index, other))
+
     def on_step(self, optimizer: Any) -> None:
+        self.on_any_step(optimizer)
         if self._primary is None:
             self._primary = id(optimizer)
             self.on_first_step(optimizer)
@@ -301,8 +331,19 @@ class Observer:
         return build(self)
 
     def write_meta(self) -> None:
-        if self.session.rank == 0:
-            self.session.run.update_meta(observed=self.observed())
+        """Rank 0's record goes into meta.json `observed`; another rank's into RUN/observed.rank<R>.json
+        (`ciuic_doctor.observed.merge_ranks` notes where they disagree). A process that stepped nothing
+        (mp.spawn's launcher: its ranks are its children) never replaces a record that has steps."""
+        run, rank = self.session.run, self.session.rank
+        if rank != 0:
+            if self.steps:
+                run.write_json(f"observed.rank{rank}.json", self.observed())
+            return
+        if not self.steps:
+            existing = run.read_meta().get("observed")
+            if isinstance(existing, dict) and (existing.get("job") or {}).get("steps_recorded"):
+                return
+        run.update_meta(observed=self.observed())
 
 
 _OBSERVERS: list[Observer] = []
@@ -338,7 +379,7 @@ def install(session: Any) -> list[Callable[[], None]]:
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
+            result = call_as_caller(original, *args, **kwargs)  # its warnings keep the script's line
             guarded(record, *args, **kwargs)
             return result
 
@@ -444,24 +485,3 @@ def _constructor_frame(cls: type) -> Any:
 
 def _distributed_env() -> dict[str, str]:
     return redact_env({k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)})
-
-
-def _plain(value: Any) -> Any:
-    """A JSON-safe copy: numbers, strings, lists; a callable by its name (a partial with its keywords)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 and value.device.type == "cpu" else str(value.shape)
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, functools.partial):
-        return {"function": _plain(value.func), **{k: _plain(v) for k, v in value.keywords.items()}}
-    if callable(value):
-        return getattr(value, "__qualname__", None) or type(value).__name__
-    return type(value).__name__

@@ -43,7 +43,7 @@ def build(observer: Any) -> dict[str, Any]:
     """The `observed` record of one watch session (see watch_observe)."""
     from ciuic_doctor.envinfo import redact_argv
 
-    argv = observer.argv if observer.argv else [*sys.argv]
+    argv = observer.argv or _watched_argv() or [*sys.argv]
     schedulers = [{k: v for k, v in s.items() if k != "_id"} for s in observer.schedulers]
     planned = _planned_steps(schedulers)
     job: dict[str, Any] = {"name": script_name(argv), "script": argv[0] if argv else None}
@@ -59,7 +59,9 @@ def build(observer: Any) -> dict[str, Any]:
     batch: dict[str, Any] = {}
     if loader is not None and loader.get("batch_size") is not None:
         batch["per_process"] = loader["batch_size"]
-    if observer.backward_calls:
+    if observer.accumulation:  # backward calls from one call site per step: micro-batches accumulated
+        batch["grad_accum"] = max(1, observer.accumulation.most_common(1)[0][0])
+    elif observer.backward_calls:
         batch["grad_accum"] = observer.backward_calls.most_common(1)[0][0]
     out["batch"] = batch
     out["optim"] = _optim(observer, schedulers, job.get("steps"))
@@ -72,6 +74,16 @@ def build(observer: Any) -> dict[str, Any]:
         else {}
     )
     return out
+
+
+def _watched_argv() -> list[str]:
+    """The command line `watch` runs (a process that stepped nothing: its sys.argv is ciuic-doctor's)."""
+    from ciuic_doctor.probes.watch import children
+
+    target = children.watched_argv()
+    if not target:
+        return []
+    return [target[1], *target[2:]] if target[0] == "-m" and len(target) > 1 else target
 
 
 def _world(observer: Any) -> dict[str, Any]:
@@ -117,6 +129,10 @@ def _optim(observer: Any, schedulers: list[dict[str, Any]], steps: int | None) -
     name = OPTIMIZER_NAMES.get(primary["class"].lower())
     if name:
         optim["name"] = name
+    # every hyper-parameter the class was built with (LBFGS max_iter, Adafactor beta2_decay, SGD nesterov)
+    optim["hyper_parameters"] = dict(primary.get("defaults") or {})
+    if isinstance(group.get("lr"), int | float):  # as constructed, beside the schedule that ran (lr_ran)
+        optim["lr_constructed"] = float(group["lr"])
     lr = observer.lr
     if lr:
         # The spec's LR is the peak the job ran, as it ran it: no scaling rule applied on top.
@@ -144,6 +160,8 @@ def _optim(observer: Any, schedulers: list[dict[str, Any]], steps: int | None) -
         optim["scheduler"] = schedulers[-1] if len(schedulers) == 1 else schedulers
     if len(observer.optimizers) > 1:
         optim["optimizers"] = [o["class"] for o in observer.optimizers]
+    if observer.coupled:  # [i, j]: optimizer i's loss reaches optimizer j's parameters (adversarial)
+        optim["coupled_optimizers"] = sorted([list(pair) for pair in observer.coupled])
     return optim
 
 

@@ -45,9 +45,12 @@ from ciuic_doctor.probes.watch import frameworks as watch_frameworks
 from ciuic_doctor.probes.watch import hooks as watch_hooks
 from ciuic_doctor.probes.watch.records import RECORD_KEYS, STREAM, StepRecords  # noqa: F401 - re-exported
 from ciuic_doctor.probes.watch.steps import (
+    TRACED_GROUPS,
     Group,
     OptimizerState,
+    backward_site,
     grad_norm,
+    graph_parameters,
     optimizer_params,
 )
 from ciuic_doctor.probes.watch.target import exit_code, run_script  # noqa: F401 - the public runner
@@ -114,23 +117,50 @@ class WatchedTarget:
 
     watched = True  # children.install never wraps a target twice
 
-    def __init__(self, target: Callable, *, run_path: str, config: dict[str, Any], index: int | None):
+    def __init__(
+        self,
+        target: Callable,
+        *,
+        run_path: str,
+        config: dict[str, Any],
+        index: int | None,
+        hang: dict[str, Any] | None = None,
+        script: list[str] | None = None,
+    ):
         self.target = target
         self.run_path = run_path
         self.config = config
         self.index = index
+        self.hang = hang  # the watchdog's settings (None: the launching process armed none)
+        self.script = script  # the command line watch runs: the job's name in `observed`
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         watch_children.spawn_started(self.index)
+        if self.script is not None:
+            watch_children.set_target(self.script)
         active = current()
         if active is not None:  # a fork start: the parent's session was inherited
             active.forget_in_child()
         config = WatchConfig(**self.config)
         session = attach(run=RunDir(Path(self.run_path)), rank=None, config=config)
+        from ciuic_doctor.probes.watch.hang import arm_quietly
+
+        disarm = arm_quietly(session, self.hang)  # every rank has one, however it was started
+        code = 1
         try:
-            return self.target(*args, **kwargs)
+            result = self.target(*args, **kwargs)
+            code = 0
+            return result
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            raise
         finally:
+            if disarm is not None:
+                disarm(code)
             session.close()
+            from ciuic_doctor.probes.watch import observe as watch_observe
+
+            watch_observe.write_meta()  # this rank's final `observed`, every step record flushed
             if session.steps_written:
                 where = session.run.stream_path("steps", session.rank)
                 print(
@@ -174,6 +204,7 @@ class WatchSession(StepRecords):
         self._broken = False
         self._closed = False
         self._backward_depth = 0
+        self._groups_traced = 0  # groups whose losses' graphs were walked (which parameters they reach)
         self._sharded: dict[int, bool] = {}  # id(optimizer) -> holds FSDP / DTensor shards
         self._snapshot = None
         if rank is not None:
@@ -191,8 +222,16 @@ class WatchSession(StepRecords):
         return self._rank
 
     def watched_target(self, target: Callable, *, index: int | None) -> WatchedTarget:
-        """`target` (a process the script starts) wrapped so that its process records its own stream."""
-        return WatchedTarget(target, run_path=str(self.run.path), config=asdict(self.config), index=index)
+        """`target` (a process the script starts) wrapped so that its process records its own stream and
+        arms its own hang watchdog."""
+        return WatchedTarget(
+            target,
+            run_path=str(self.run.path),
+            config=asdict(self.config),
+            index=index,
+            hang=watch_children.hang_settings(),
+            script=watch_children.watched_argv(),
+        )
 
     def set_step(self, step: int) -> None:
         """The number of steps already done (a resumed job): the next record is step + 1."""
@@ -359,6 +398,13 @@ class WatchSession(StepRecords):
             group.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
             if self._device is None:  # the loss lives where the model does
                 self._device = tensors.device
+            if self._groups_traced < TRACED_GROUPS and tensors.grad_fn is not None:
+                if group.reached is None:
+                    self._groups_traced += 1
+                    group.reached = set()
+                group.reached |= graph_parameters(tensors)
+        if not self._reevaluating:
+            group.sites[backward_site()] += 1
         group.backward_calls += 1
         if group.t_first_backward is None:
             group.t_first_backward = time.perf_counter()

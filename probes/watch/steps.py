@@ -8,8 +8,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +33,10 @@ class Group:
     scaler: Any = None  # an enabled GradScaler that scaled this group's loss
     scale_used: torch.Tensor | None = None  # the scale it multiplied the loss by
     sealed: bool = False  # an optimizer stepped on it: the next backward starts a new group
+    # backward calls per call site (code, line), closure re-evaluations left out: a site called k times
+    # is k micro-batches accumulated; two sites once each are two losses of one step (a GAN's D)
+    sites: Counter = field(default_factory=Counter)
+    reached: set[int] | None = None  # id() of the parameters its losses' graphs reach (first groups only)
 
 
 @dataclass(kw_only=True)
@@ -43,6 +51,50 @@ class OptimizerState:
     grad_norm: torch.Tensor | None = None  # computed for the step in progress
     stepped: bool = False  # the step in progress reached the optimizer (not skipped by a scaler)
     group: Group | None = None  # the group of a step that waits for scaler.update()
+
+
+TRACED_GROUPS = 8  # the first backward groups' graphs are walked (~1 ms each): enough to see which
+# optimizers' losses reach another's parameters (a GAN: G's loss goes through D)
+_NOT_CALLERS = tuple(
+    f"{p}{os.sep}" for p in (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])
+)
+
+
+def backward_site() -> tuple[Any, int] | None:
+    """(code, line) of the first frame outside torch and watch that led to this backward call."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if not frame.f_code.co_filename.startswith(_NOT_CALLERS):
+            return frame.f_code, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+def accumulated(group: Group) -> int:
+    """Micro-batches accumulated into this step's gradients: the most backward calls from one call site."""
+    return max(group.sites.values(), default=0)
+
+
+def graph_parameters(loss: torch.Tensor, limit: int = 50_000) -> set[int]:
+    """id() of the leaf tensors (parameters) `loss`'s autograd graph reaches, walking at most `limit` nodes:
+    a GAN's generator loss reaches the discriminator's parameters too (it is computed through D)."""
+    out: set[int] = set()
+    start = loss.grad_fn
+    if start is None:
+        return out
+    stack, seen = [start], {start}
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            out.add(id(variable))
+        for child, _ in node.next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return out
 
 
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:

@@ -30,14 +30,13 @@ import math
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor import __version__
+from ciuic_doctor import __version__, safe_io
 from ciuic_doctor.errors import UserError
 
 SCHEMA = 1
@@ -105,16 +104,14 @@ class JsonlWriter:
         self.path = path
         self.rank = rank
         self.host = socket.gethostname()
+        self._fd = -1
         try:
-            # O_NONBLOCK: a FIFO planted as a stream would block the open forever; it fails below instead.
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            # never through a symlink, a hard link or a FIFO planted under the stream's name (safe_io)
+            self._fd = safe_io.open_append(path)
+        except safe_io.Unsafe as exc:
+            raise UserError(f"{path}: cannot write this stream ({exc.why})") from None
         except OSError as exc:
             raise UserError(f"{path}: cannot write this stream ({exc.strerror})") from None
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            os.close(self._fd)
-            self._fd = -1
-            raise UserError(f"{path}: exists and is not a regular file")
-        os.set_blocking(self._fd, True)
 
     def write(self, record: dict[str, Any]) -> None:
         full = {"schema": SCHEMA, "t": time.time(), "host": self.host}
@@ -182,16 +179,13 @@ class StreamRead:
         return ", ".join(parts) or None
 
 
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of a regular file; OSError for a directory, FIFO, socket or device.
+def _open_regular(path: Path, max_bytes: int = safe_io.MAX_STREAM_BYTES) -> int:
+    """A read-only descriptor of a regular file reached without a symlink, of at most `max_bytes`;
+    OSError (safe_io.Unsafe) for a symlink, directory, FIFO, socket or device, or a file too large.
 
     O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one, issue 11).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IsADirectoryError(f"{path.name} is not a regular file")
-    return fd
+    return safe_io.open_regular(path, max_bytes=max_bytes)
 
 
 def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
@@ -205,10 +199,15 @@ def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
     try:
         fh = os.fdopen(_open_regular(path), "rb")
     except OSError as exc:
-        result.unreadable.append(f"{path.name} unreadable ({exc.strerror or exc})")
+        result.unreadable.append(
+            f"{path.name} unreadable ({getattr(exc, 'why', None) or exc.strerror or exc})"
+        )
         return result
     with fh:
-        for raw in fh:
+        for raw in safe_io.lines(fh):  # a line above safe_io.MAX_LINE_BYTES is None: counted, skipped
+            if raw is None:
+                result.skipped_lines += 1
+                continue
             line = raw.strip()
             if not line:
                 continue
@@ -238,8 +237,8 @@ _RUN_ENTRY = re.compile(r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|checkpo
 
 def _is_our_meta(path: Path) -> bool:
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        meta = json.loads(safe_io.read_bytes(path, max_bytes=safe_io.MAX_JSON_BYTES))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return (
         isinstance(meta, dict)
@@ -338,9 +337,9 @@ class RunDir:
             key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
         )
         found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
-        regular = [p for p in found if p.is_file()]
+        regular = [p for p in found if safe_io.is_regular(p)]  # lstat: a symlink out is not followed
         if len(regular) < len(found):
-            others = ", ".join(p.name for p in found if not p.is_file())
+            others = ", ".join(f"{p.name} ({safe_io.irregular_reason(p)})" for p in found if p not in regular)
             self._irregular[name] = f"{others} unreadable (not a regular file)"
             self.read_problems.setdefault(name, self._irregular[name])
         return regular
@@ -370,8 +369,7 @@ class RunDir:
         from ciuic_doctor.schemas import clean_meta
 
         try:
-            with os.fdopen(_open_regular(self.meta_path), "rb") as fh:
-                raw = json.loads(fh.read())
+            raw = json.loads(safe_io.read_bytes(self.meta_path, max_bytes=safe_io.MAX_JSON_BYTES))
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -383,12 +381,15 @@ class RunDir:
 
     @contextlib.contextmanager
     def _meta_lock(self) -> Iterator[None]:
-        with open(self.path / ".meta.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            fd = safe_io.open_append(self.path / ".meta.lock")
+        except OSError as exc:
+            raise UserError(f"{self.path / '.meta.lock'}: cannot lock meta.json ({exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
         """Merge `fields` into meta.json under a file lock; dict values merge one level deep.
@@ -428,22 +429,28 @@ class RunDir:
 
     # ---- whole files ---------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> Path:
-        """Write a whole file atomically (temp file + rename), secrets scrubbed."""
+        """Write a whole file atomically, secrets scrubbed: a temp file made with O_EXCL | O_NOFOLLOW in
+        the run, renamed over `name`, so a symlink planted there is replaced, never written through."""
         from ciuic_doctor.envinfo import scrub
 
+        return self.write_bytes(name, scrub(text).encode())
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        """A whole file `name` (a folder of the run may come first: `hang.fr/rank0`), atomically."""
         target = self.path / name
-        if target.is_dir() and not target.is_symlink():  # rename cannot replace a directory
-            raise UserError(f"{target}: exists and is a directory; move it away and run again")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(scrub(text))
-        os.replace(tmp, target)
-        return target
+        try:
+            return safe_io.write_atomic(target, data, root=self.path)
+        except safe_io.Unsafe as exc:
+            raise UserError(f"{target}: not written ({exc.why})") from None
 
     def write_json(self, name: str, data: Any) -> Path:
         return self.write_text(name, json.dumps(json.loads(dumps(data)), indent=2) + "\n")
 
     def read_json(self, name: str) -> Any:
-        return json.loads((self.path / name).read_text())
+        """A JSON file of the run (regular, inside it, at most safe_io.MAX_JSON_BYTES)."""
+        return json.loads(
+            safe_io.read_bytes(self.path / name, max_bytes=safe_io.MAX_JSON_BYTES, root=self.path)
+        )
 
 
 def default_run_path(command: str, out: str | Path | None = None) -> Path:

@@ -246,6 +246,44 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+# The hang files (not streams: one JSON object a file), checked by hang_shapes before a field is read;
+# validate("hang.dump", record) as for a stream.
+HANG_SHAPES: dict[str, dict[str, frozenset[str]]] = {
+    "hang.armed": {
+        "rank": OPT_INT,
+        "world_size": OPT_INT,
+        "host": OPT_STR,
+        "pid": OPT_INT,
+        "start_ticks": OPT_INT,
+    },
+    "hang.dump": {
+        "rank": OPT_INT,
+        "host": OPT_STR,
+        "reason": OPT_STR,
+        "error": OPT_STR,
+        "t": OPT_NUM,
+        "resumed_t": OPT_NUM,
+        "pg_status": OPT_DICT,
+        "fr_file": OPT_STR,
+        "threads": OPT_LIST,
+        "peers": OPT_LIST,
+    },
+    "hang.last": {"op": OPT_STR, "file": OPT_STR, "line": OPT_INT, "function": OPT_STR},
+    "hang.pyspy": {
+        "pid": OPT_INT,
+        "state": OPT_STR,
+        "watched": OPT_BOOL,
+        "threads": OPT_LIST,
+        "error": OPT_STR,
+        "fr_file": OPT_STR,
+        "pg_status": OPT_DICT,
+        "moving": OPT_BOOL,
+    },
+    "hang.peer": {"rank": frozenset({"int"}), "pid": OPT_INT, "state": OPT_STR, "threads": OPT_LIST},
+    "hang.thread": {"main": BOOL},
+}
+SCHEMAS.update(HANG_SHAPES)
+
 # Fields required only in some records: (field, value it has) -> fields those records need.
 # Each field named is required in those records, with the types given.
 CONDITIONAL: dict[str, list[tuple[str, Any, dict[str, frozenset[str]]]]] = {

@@ -91,10 +91,10 @@ class Position:
 
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The innermost frame in the user's code (frames are innermost first)."""
+    """The innermost frame in the user's code (frames are innermost first; C/C++ frames are never it)."""
     for frame in frames:
         name = str(frame.get("file") or frame.get("filename") or "")
-        if not any(part in name for part in _LIBRARY):
+        if not frame.get("native") and not any(part in name for part in _LIBRARY):
             return frame
     return None
 
@@ -113,11 +113,30 @@ def _main_frames(threads: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return (threads or [{}])[0].get("frames", []) if threads else []
 
 
+# C++ frames (py-spy --native) that wait for a collective: DDP's reducer waits for its gradient buckets'
+# all_reduce at the end of backward; a process group's own wait. (substring of the function, its op)
+_NATIVE_WAITS = (
+    ("c10d::Reducer::", "all_reduce"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"),
+    ("barrier", "barrier"),
+)  # fmt: skip
+
+
 def _collective_in(frames: list[dict[str, Any]]) -> str | None:
-    """The c10d function a stack is inside (all_reduce, barrier, ...), or None."""
+    """The c10d function a stack is inside (all_reduce, barrier, ...), or None; in C++ frames too
+    (DDP's all_reduce inside backward is seen only there)."""
     for frame in frames:
         if str(frame.get("file", "")).endswith("distributed_c10d.py"):
             return str(frame.get("function"))
+    for frame in frames:
+        function = str(frame.get("function") or "")
+        if frame.get("native") and (
+            "c10d::" in function or "gloo::" in function or "nccl" in function.lower()
+        ):
+            lowered = function.lower()
+            for part, op in _NATIVE_WAITS:
+                if part.lower() in lowered:
+                    return op
     return None
 
 
@@ -237,8 +256,8 @@ def _expected(history: list[tuple[str, str, str]], seq: int | None) -> tuple[str
         tail = history[-2 * period :]
         if tail[:period] == tail[period:]:
             index = seq - 1 - period
-            while index >= len(history):
-                index -= period
+            if index >= len(history):  # whole periods back into the history (seq may be 2**62: no loop)
+                index -= -(-(index - len(history) + 1) // period) * period
             return history[index] if index >= 0 else None
     return None
 

@@ -1,0 +1,159 @@
+"""Untrusted strings are made safe for the sink they reach, and checkup cleans up after itself (issue 22,
+classes 5 and 7): escape sequences from a dump never reach the terminal, HTML and Markdown from a dump
+never reach summary.md as markup, checkup's first line is redacted, a job stopped by checkup's own
+--timeout "did not finish" (it is not "hung"), and kill -9 of checkup leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import run_cli
+
+from ciuic_doctor.render_text import table, terminal
+from ciuic_doctor.store import RunDir
+
+EVIL_FILE = "train\x1b]0;owned\x07.py"
+EVIL_FUNCTION = "load<img src=x onerror=alert(1)>[click](http://evil.example)\x1b[2J"
+
+
+def _hostile_names_run(tmp_path: Path) -> Path:
+    """Rank 1 stalled in a frame whose file and function names carry escapes, HTML and a link."""
+    run = tmp_path / "run"
+    RunDir.create(run).update_meta(probes={"watch": {"status": "failed"}})
+    frames = [{"file": EVIL_FILE, "line": 7, "function": EVIL_FUNCTION}]
+    waiting = [{"file": "/x/torch/distributed/distributed_c10d.py", "line": 1, "function": "all_reduce"},
+               {"file": "train.py", "line": 9, "function": "main"}]  # fmt: skip
+    for rank, stack in ((0, waiting), (1, frames)):
+        thread = {"thread_id": 1, "name": "MainThread", "main": True, "frames": stack}
+        dump = {"schema": 1, "t": 1.0, "rank": rank, "host": f"node\x1b[31m{rank}", "reason": "no-progress",
+                "threads": [thread]}  # fmt: skip
+        (run / f"hang.rank{rank}.json").write_text(json.dumps(dump))
+        step = {"schema": 1, "t": 1.0, "host": "h", "rank": rank, "step": 1, "loss": 1.0}
+        (run / f"steps.rank{rank}.jsonl").write_text(json.dumps(step) + "\n")
+    return run
+
+
+def test_escape_sequences_from_a_dump_never_reach_the_terminal_nor_markup_summary_md(tmp_path):
+    run = _hostile_names_run(tmp_path)
+    done = run_cli("hang", str(run), timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "\x1b" not in done.stdout
+    assert "\x07" not in done.stdout
+    assert "\\x1b]0;owned\\x07.py" in done.stdout  # shown, escaped
+    done = run_cli("report", str(run), timeout=300)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "\x1b" not in done.stdout
+    summary = (run / "summary.md").read_text()
+    assert "load" in summary
+    assert re.search(r"(?<!\\)<img", summary) is None  # only escaped: \<img renders as text
+    assert "\\<img" in summary
+    assert re.search(r"(?<!\\)\[click", summary) is None
+    assert "\x1b" not in summary
+
+
+def test_terminal_escapes_controls_and_bidi_overrides_and_tables_use_it():
+    assert terminal("a\x1b[2Jb\u202ec\x9b") == "a\\x1b[2Jb\\u202ec\\x9b"
+    assert terminal("plain ascii and ünïcode") == "plain ascii and ünïcode"
+    assert "\x1b" not in table(["name"], [["x\x1b[31my"]])
+
+
+SLOW = "import time\nwhile True:\n    time.sleep(0.2)\n"
+
+
+def test_checkup_timeout_is_did_not_finish_and_its_first_line_is_redacted(tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW)
+    out = tmp_path / "run"
+    done = run_cli(
+        "checkup", "--skip", "comm-bench,memwatch,loader-sweep", "--timeout", "8", "--out", str(out),
+        "--", str(script), "--api-key=SECRET123", "--hf-token", "hf_SECRET456",
+        timeout=400,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    first = done.stdout.splitlines()[0]
+    assert first.startswith("checkup of "), first
+    assert "SECRET123" not in done.stdout
+    assert "hf_SECRET456" not in done.stdout
+    assert "--api-key=<redacted>" in first
+    meta = json.loads((out / "meta.json").read_text())
+    job = next(p for p in meta["checkup"]["phases"] if p["name"] == "job")
+    assert job["status"] == "timeout", job
+    assert meta["checkup"]["hung"] is False
+    assert "did not finish" in done.stdout
+    assert "the job hung" not in done.stdout
+
+
+def _script_procs(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+    return found
+
+
+@pytest.mark.slow
+def test_kill_9_of_checkup_of_a_2_rank_script_leaves_no_process(tmp_path):
+    script = tmp_path / "orphan_probe.py"  # a unique name: every process of this test carries it
+    script.write_text(SLOW)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("CIUIC_RUN_DIR", None)
+    checkup = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "checkup", "--nproc", "2", "--skip", "comm-bench,loader-sweep",
+         "--out", str(tmp_path / "run"), "--", str(script)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        memwatch: list[psutil.Process] = []
+        while time.monotonic() < deadline and (len(_script_procs(str(script))) < 3 or not memwatch):
+            time.sleep(0.5)  # observable state: torchrun, both ranks and memwatch exist (no guessed time)
+            memwatch = [p for p in checkup_children(checkup.pid) if "memwatch" in _cmdline(p)]
+        started = _script_procs(str(script))
+        assert len(started) >= 3, [p.info["cmdline"] for p in started]
+        assert memwatch
+        os.kill(checkup.pid, signal.SIGKILL)
+        checkup.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (_script_procs(str(script)) or _alive(memwatch)):
+            time.sleep(0.5)
+        left = [" ".join(p.info["cmdline"] or []) for p in _script_procs(str(script))]
+        assert not left, left
+        assert not _alive(memwatch)
+    finally:
+        for proc in _script_procs(str(script)):
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            checkup.kill()
+
+
+def checkup_children(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(proc.cmdline())
+    return ""
+
+
+def _alive(procs: list[psutil.Process]) -> bool:
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                return True
+    return False

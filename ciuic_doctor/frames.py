@@ -241,7 +241,29 @@ def read_table(files: Iterable[Path], columns: Sequence[str]) -> TableRead:
     for _, _, nulled, _ in parts:
         for column, count in nulled.items():
             result.nulled_values[column] = result.nulled_values.get(column, 0) + count
+    result.table = _bounded(result.table, result.nulled_values)
     return result
+
+
+def _bounded(table: pyarrow.Table, nulled: dict[str, int]) -> pyarrow.Table:
+    """Finite floats beyond ±schemas.NUMBER_BOUND nulled and counted, as the row reader refuses them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from ciuic_doctor.schemas import NUMBER_BOUND
+
+    for i, column_field in enumerate(table.schema):
+        if not pa.types.is_floating(column_field.type):
+            continue
+        column = table.column(i)
+        bad = pc.and_(pc.is_finite(column), pc.greater(pc.abs(column), NUMBER_BOUND))
+        count = pc.sum(bad).as_py() or 0
+        if count:
+            table = table.set_column(
+                i, column_field, pc.if_else(bad, pa.scalar(None, column_field.type), column)
+            )
+            nulled[column_field.name] = nulled.get(column_field.name, 0) + count
+    return table
 
 
 # What the analyses and the report read of a stream, all together: the first reader reads them all, the

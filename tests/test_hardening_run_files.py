@@ -319,3 +319,33 @@ def test_a_huge_world_size_and_sequence_number_are_bounded(tmp_path):
     history = [("all_reduce", "a", "[[1]]"), ("all_reduce", "b", "[[2]]")] * 2
     assert _expected(history, 2**62) in history  # arithmetic, not a 2**62-step loop
     assert judge(files)[0].probe == "hang"
+
+
+# ---- numbers: ±1e308, 5e-324, inf and "inf" ---------------------------------------------------------
+def _extreme_run(path: Path, big: float) -> None:
+    RunDir.create(path).update_meta(probes={"watch": {}})
+    with open(path / "steps.rank0.jsonl", "w") as fh:
+        for s in range(1, 30):
+            step_time = big if s % 3 else 5e-324
+            loss = big if s % 2 else 5e-324
+            record = {"schema": 1, "t": s, "host": "h", "rank": 0, "step": s, "loss": loss,
+                      "step_time_s": step_time, "lr": float("inf") if big > 0 else 1e308}  # fmt: skip
+            fh.write(json.dumps(record) + "\n")
+    with open(path / "comm.jsonl", "w") as fh:
+        for s in range(3):
+            record = {"schema": 1, "t": s, "host": "h", "rank": 0, "collective": "all_reduce", "algo": "ring",
+                      "bytes": 1024, "time_us": "inf", "busbw_gbps": big, "algbw_gbps": 5e-324}  # fmt: skip
+            fh.write(json.dumps(record) + "\n")
+
+
+def test_extreme_numbers_are_counted_never_a_traceback_in_compare_and_report(tmp_path):
+    """compare raised on ±1e308 and 5e-324 (fsum overflow, log of a negative ratio); report on an inf
+    LR and a comm time_us of "inf" (a plot's axis, a timeout rounded up from inf)."""
+    _extreme_run(tmp_path / "a", 1e308)
+    _extreme_run(tmp_path / "b", -1e308)
+    for argv in (["compare", "a", "b"], ["compare", "b", "a"], ["report", "a"], ["report", "b"]):
+        done = run_cli(*argv, cwd=tmp_path, timeout=300)
+        _no_traceback(done)
+        assert done.returncode in (0, 1), done.stderr
+    read = RunDir.open(tmp_path / "b").read("comm")
+    assert read.invalid_records == 3  # -1e308 GB/s: beyond the bound, and negative

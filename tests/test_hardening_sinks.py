@@ -157,3 +157,32 @@ def _alive(procs: list[psutil.Process]) -> bool:
             if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                 return True
     return False
+
+
+def test_memwatch_stopped_by_sigterm_exits_143_with_its_records(sleeper, tmp_path):
+    """README: 128 + N when stopped by signal N; memwatch said 0 for SIGTERM (and for Ctrl-C)."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "memwatch", "--pid", str(sleeper.pid), "--interval", "0.1",
+         "--out", str(run)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and _samples(run) < 3:  # observable: three samples on disk
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "ended: terminated" in out
+    assert _samples(run) >= 3
+
+
+def _samples(run: Path) -> int:
+    try:
+        lines = (run / "memwatch.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(1 for line in lines if line.strip())  # every line of memwatch.jsonl is one sample

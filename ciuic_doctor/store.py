@@ -264,6 +264,11 @@ def _foreign_entries(path: Path) -> list[str]:
     return [name for name in names if not _RUN_ENTRY.match(name)]
 
 
+# What analyze and report write into a run (RunDir.claim_outputs guards a folder that is not a run).
+OUTPUT_NAMES = ("findings.json", "summary.md", "report.html", "recommendations.json", "recommended.env",
+                "recommended.toml")  # fmt: skip
+
+
 class RunDir:
     """One run directory. Create with `RunDir.create`, open an existing one with `RunDir.open`."""
 
@@ -315,6 +320,22 @@ class RunDir:
         if not (path / "meta.json").is_file() and not any(path.glob("*.jsonl")):
             raise UserError(f"{path}: not a run directory (no meta.json and no *.jsonl streams)")
         return cls(path)
+
+    def claim_outputs(self) -> None:
+        """Before analyze / report write their files: a folder whose meta.json ciuic-doctor did not write
+        (a folder of the user's own *.jsonl) that already holds a file of those names is refused, so a
+        user's summary.md is never replaced (issue 11, still open in issue 22); otherwise meta.json is
+        stamped, so the folder is a run from then on and the next report may replace its own files."""
+        if _is_our_meta(self.meta_path):
+            return
+        held = [n for n in OUTPUT_NAMES if (self.path / n).exists() or (self.path / n).is_symlink()]
+        if held:
+            raise UserError(
+                f"{self.path}: not a run directory ciuic-doctor made (no meta.json of its own) and it "
+                f"holds {', '.join(held)}, which the report would replace; copy the *.jsonl streams into "
+                "a new folder and run it there"
+            )
+        self.update_meta()
 
     # ---- streams -------------------------------------------------------------------------------
     def stream_path(self, name: str, rank: int | None = None) -> Path:

@@ -186,3 +186,22 @@ def _samples(run: Path) -> int:
     except OSError:
         return 0
     return sum(1 for line in lines if line.strip())  # every line of memwatch.jsonl is one sample
+
+
+def test_report_never_replaces_a_users_own_summary_md_and_watch_refuses_a_shell_script(tmp_path):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "data.jsonl").write_text('{"mine": 1}\n')
+    (folder / "summary.md").write_text("my own notes\n")
+    for argv in (["report", str(folder)], ["analyze", str(folder)]):
+        done = run_cli(*argv, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (folder / "summary.md").read_text() == "my own notes\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["data.jsonl", "summary.md"]
+    script = tmp_path / "train.sh"  # no #! line: it was run as Python, a SyntaxError traceback
+    script.write_text("echo training\n")
+    done = run_cli("watch", "--out", str(tmp_path / "run"), "--", str(script), timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "not a Python script" in done.stderr
+    assert "Traceback" not in done.stderr

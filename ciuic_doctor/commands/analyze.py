@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.store import RunDir
 
     run_dir = RunDir.open(args.run)
+    run_dir.claim_outputs()
     findings = run_all(run_dir)
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))

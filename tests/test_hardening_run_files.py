@@ -151,8 +151,7 @@ def test_symlinks_planted_for_every_file_a_command_writes_leave_the_outside_alon
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     written = ["findings.json", "summary.md", "report.html", "recommended.env", "recommended.toml",
-               "recommendations.json", "meta.json", ".meta.lock", "steps.rank0.parquet"]  # fmt: skip
-    (run / "meta.json").unlink()
+               "recommendations.json", ".meta.lock", "steps.rank0.parquet"]  # fmt: skip
     for name in written:
         _plant(run, name, victim)
     for argv in (["analyze", str(run)], ["report", str(run)], ["compact", str(run)]):
@@ -162,6 +161,11 @@ def test_symlinks_planted_for_every_file_a_command_writes_leave_the_outside_alon
     # the whole files were replaced by regular files inside the run (the link, not its target)
     assert safe_io.is_regular(run / "report.html")
     assert safe_io.is_regular(run / "findings.json")
+    # meta.json planted as a link: update_meta (every command's) replaces the link, not its target
+    _plant(run, "meta.json", victim)
+    RunDir(run).update_meta(probes={"hang": {}})
+    assert victim.read_text() == "precious\n"
+    assert safe_io.is_regular(run / "meta.json")
 
 
 def test_a_stream_writer_and_faulthandlers_file_refuse_a_symlink_a_fifo_and_a_hard_link(tmp_path):

@@ -205,3 +205,11 @@ def test_report_never_replaces_a_users_own_summary_md_and_watch_refuses_a_shell_
     assert done.returncode == 2, done.stderr
     assert "not a Python script" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_model_whose_largest_weight_exceeds_host_memory_is_refused_up_front():
+    from ciuic_doctor.jobs.spec_check import problems
+
+    found = problems({"model": {"hidden_size": 10**9}})
+    assert any("hidden_size" in p and "GiB" in p for p in found), found
+    assert not problems({"model": {"hidden_size": 128}})

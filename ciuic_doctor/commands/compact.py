@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 NAME = "compact"
@@ -56,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
             failed.append(f"{path.name}: {exc}")
             return None
 
+    def stop(signum: int, frame: object) -> None:
+        # SIGTERM: leaving the pool lets the files being written finish (each renamed into place or
+        # removed: no .tmp stays, issue 22), then the exit is 143
+        from ciuic_doctor.launch import Interrupted
+
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = [r for r in pool.map(one, todo) if r is not None]
     if not args.quiet:

@@ -213,3 +213,21 @@ def test_a_model_whose_largest_weight_exceeds_host_memory_is_refused_up_front():
     found = problems({"model": {"hidden_size": 10**9}})
     assert any("hidden_size" in p and "GiB" in p for p in found), found
     assert not problems({"model": {"hidden_size": 128}})
+
+
+def test_ctrl_c_of_watch_is_one_line_and_130(tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text("import time\nprint('ready', flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "watch", "--out", str(tmp_path / "run"), "--", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "ready"  # observable: the script runs under watch
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    assert "interrupted (Ctrl-C) at" in err

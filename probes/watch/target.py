@@ -126,8 +126,12 @@ def run_script(argv: list[str]) -> int:
             runner()
         except SystemExit as exc:
             return exit_code(exc.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
+        except KeyboardInterrupt as exc:
+            # one line, not Python's traceback (README: Ctrl-C is 130 and keeps every record); where the
+            # script was is still said: its innermost frame
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            print(f"ciuic-doctor watch: interrupted (Ctrl-C){where}; every record is kept", file=sys.stderr)
             return 130
         except BaseException:
             traceback.print_exc()

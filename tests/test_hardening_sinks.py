@@ -231,3 +231,14 @@ def test_ctrl_c_of_watch_is_one_line_and_130(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
     assert "interrupted (Ctrl-C) at" in err
+
+
+def test_a_watched_script_that_execs_another_program_is_recorded_as_exec(tmp_path):
+    """meta.json said `running` after os.execv: no finally or atexit runs when a process becomes another."""
+    script = tmp_path / "become.py"
+    script.write_text("import os, shutil\nos.execv(shutil.which('true'), ['true'])\n")
+    run = tmp_path / "run"
+    done = run_cli("watch", "--out", str(run), "--", str(script), timeout=180)
+    assert done.returncode == 0, done.stderr
+    watch = json.loads((run / "meta.json").read_text())["probes"]["watch"]
+    assert watch["status"] == "exec", watch

@@ -161,7 +161,13 @@ def test_symlinks_planted_for_every_file_a_command_writes_leave_the_outside_alon
     # the whole files were replaced by regular files inside the run (the link, not its target)
     assert safe_io.is_regular(run / "report.html")
     assert safe_io.is_regular(run / "findings.json")
-    # meta.json planted as a link: update_meta (every command's) replaces the link, not its target
+    # meta.json's lock planted as a link: refused, one line; meta.json planted as a link: update_meta
+    # (every command's) replaces the link, not its target
+    from ciuic_doctor.errors import UserError
+
+    with pytest.raises(UserError, match="symlink"):
+        RunDir(run).update_meta(probes={"hang": {}})
+    (run / ".meta.lock").unlink()
     _plant(run, "meta.json", victim)
     RunDir(run).update_meta(probes={"hang": {}})
     assert victim.read_text() == "precious\n"

@@ -197,7 +197,7 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
 def test_hang_pid_on_a_job_started_without_watch_names_the_stuck_frame(tmp_path):
     if py_spy_binary() is None:
         pytest.skip("py-spy is not installed")
-    proc = _launch([str(JOB), "loader"], env={"HANG_PG_TIMEOUT": "120"})
+    proc = _launch([str(JOB), "loader"], env={"HANG_PG_TIMEOUT": "600"})
     try:
         # until rank 0 waits and rank 1 sleeps (observable: the judgement); 60 s ran out under two CPU
         # burners on the loaded 2-core box (load 27), so the bound is far past what a quiet run takes (~20 s)

@@ -24,6 +24,7 @@ variable cannot end up in a run directory even when a log line or an argv carrie
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -94,6 +95,14 @@ def as_float(value: Any) -> float | None:
         return None
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return (-1, -1)
+    return (info.st_dev, info.st_ino)
+
+
 class JsonlWriter:
     """Append-only JSONL stream; each `write` is one `os.write` of one whole line (O_APPEND).
 
@@ -108,6 +117,7 @@ class JsonlWriter:
         try:
             # never through a symlink, a hard link or a FIFO planted under the stream's name (safe_io)
             self._fd = safe_io.open_append(path)
+            self._id = _identity(self._fd)
         except safe_io.Unsafe as exc:
             raise UserError(f"{path}: cannot write this stream ({exc.why})") from None
         except OSError as exc:
@@ -118,11 +128,29 @@ class JsonlWriter:
         if self.rank is not None:
             full["rank"] = self.rank
         full.update(record)
-        os.write(self._fd, (dumps(full) + "\n").encode())
+        line = (dumps(full) + "\n").encode()
+        try:
+            if self._ours():
+                os.write(self._fd, line)
+                return
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+        # the watched script closed our descriptor (os.closerange(3, ...)), and its number may now be one
+        # of the script's own files: never written to; the stream is opened again
+        self._fd = safe_io.open_append(self.path)
+        self._id = _identity(self._fd)
+        os.write(self._fd, line)
+
+    def _ours(self) -> bool:
+        """The descriptor is still the stream this writer opened (1 fstat, ~1 us a record)."""
+        return _identity(self._fd) == self._id
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            with contextlib.suppress(OSError):
+                if self._ours():  # never close a descriptor the script reused for its own file
+                    os.close(self._fd)
             self._fd = -1
 
     def __enter__(self) -> JsonlWriter:

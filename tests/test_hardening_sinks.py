@@ -242,3 +242,28 @@ def test_a_watched_script_that_execs_another_program_is_recorded_as_exec(tmp_pat
     assert done.returncode == 0, done.stderr
     watch = json.loads((run / "meta.json").read_text())["probes"]["watch"]
     assert watch["status"] == "exec", watch
+
+
+CLOSES_FDS = """
+import os, torch
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(3):
+    if step == 1:
+        os.closerange(3, 4096)  # a daemonising script: every inherited descriptor, watch's too
+        keep = open(os.devnull, "w")  # and the lowest number is the script's own file now
+    loss = model(torch.randn(2, 4)).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_watched_script_that_closes_inherited_fds_keeps_its_records(tmp_path):
+    script = tmp_path / "closes.py"
+    script.write_text(CLOSES_FDS)
+    run = tmp_path / "run"
+    done = run_cli("watch", "--out", str(run), "--", str(script), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert len(RunDir.open(run).read("steps").records) == 3

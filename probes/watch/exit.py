@@ -120,7 +120,8 @@ def _watch_sigterm(
             except OSError:
                 return
             if not data or stop.is_set():
-                os.close(read_fd)
+                with contextlib.suppress(OSError):  # a script that closed every inherited fd closed it
+                    os.close(read_fd)
                 return
             for signum in data:
                 for listener in list(_LISTENERS.get(signum, ())):
@@ -152,6 +153,7 @@ def _watch_sigterm(
             signal.set_wakeup_fd(-1)
         with contextlib.suppress(OSError):
             os.write(write_fd, b"\0")  # wakes the helper, which sees `stop` and ends
-        os.close(write_fd)
+        with contextlib.suppress(OSError):  # the script may have closed it (os.closerange)
+            os.close(write_fd)
 
     return remove

@@ -263,7 +263,7 @@ def test_a_watched_script_that_closes_inherited_fds_keeps_its_records(tmp_path):
     script = tmp_path / "closes.py"
     script.write_text(CLOSES_FDS)
     run = tmp_path / "run"
-    done = run_cli("watch", "--out", str(run), "--", str(script), timeout=300)
+    done = run_cli("watch", "--out", str(run), "--", str(script), timeout=600)  # 100 s at load 22
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert len(RunDir.open(run).read("steps").records) == 3

@@ -109,9 +109,11 @@ def clean_dump(record: Any) -> tuple[dict[str, Any] | None, str | None]:
 
     peers = []
     for peer in (record.get("peers") or [])[:MAX_PEERS]:
-        if _shape("hang.peer", peer) is None and _int(peer["rank"], MAX_RANK) is not None:
-            peers.append({"rank": peer["rank"], "pid": peer.get("pid"), "state": _text(peer.get("state")),
-                          "threads": clean_threads(peer.get("threads"))})  # fmt: skip
+        if _shape("hang.peer", peer) is None and _int(peer.get("rank"), MAX_RANK) is not None:
+            state, threads = _text(peer.get("state")), clean_threads(peer.get("threads"))
+            peers.append(
+                {"rank": peer["rank"], "pid": _int(peer.get("pid")), "state": state, "threads": threads}
+            )
     return {
         "rank": _int(record.get("rank"), MAX_RANK),
         "host": _text(record.get("host")),

@@ -260,7 +260,7 @@ class RunDir:
         stamped, so the folder is a run from then on and the next report may replace its own files."""
         if _is_our_meta(self.meta_path):
             return
-        held = [n for n in OUTPUT_NAMES if (self.path / n).exists() or (self.path / n).is_symlink()]
+        held = [n for n in OUTPUT_NAMES if (self.path / n).is_symlink() or (self.path / n).is_file()]
         if held:
             raise UserError(
                 f"{self.path}: not a run directory ciuic-doctor made (no meta.json of its own) and it "
@@ -292,8 +292,11 @@ class RunDir:
         found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
         regular = [p for p in found if safe_io.is_regular(p)]  # lstat: a symlink out is not followed
         if len(regular) < len(found):
-            others = ", ".join(f"{p.name} ({safe_io.irregular_reason(p)})" for p in found if p not in regular)
-            self._irregular[name] = f"{others} unreadable (not a regular file)"
+            self._irregular[name] = ", ".join(
+                f"{p.name} unreadable ({safe_io.irregular_reason(p)}, not a regular file)"
+                for p in found
+                if p not in regular
+            )
             self.read_problems.setdefault(name, self._irregular[name])
         return regular
 

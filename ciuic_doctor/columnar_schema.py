@@ -111,6 +111,32 @@ class ReadPlan:
         for name, allowed in self.inferred.items():
             if name in names and not _fits_type(table.schema.field(name).type, allowed):
                 return False
+        return self._in_bounds(table)
+
+    def _in_bounds(self, table: pyarrow.Table) -> bool:
+        """No schema field holds a finite number beyond ±NUMBER_BOUND, nor a negative measurement that
+        cannot be one (schemas.validate refuses both; a file that has any is read row by row instead)."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from ciuic_doctor.schemas import NONNEGATIVE, NUMBER_BOUND, SCHEMAS
+
+        named = SCHEMAS.get(self.stream or "", {})
+        nonnegative = NONNEGATIVE.get(self.stream or "", frozenset())
+        for column_field in table.schema:
+            if column_field.name not in named:
+                continue
+            kind = column_field.type
+            if not (pa.types.is_floating(kind) or pa.types.is_integer(kind)):
+                continue
+            column = table.column(column_field.name)
+            magnitude = pc.abs(column)
+            if pa.types.is_floating(kind):
+                magnitude = pc.if_else(pc.is_finite(column), magnitude, pa.scalar(0.0, kind))
+            if (pc.max(magnitude).as_py() or 0) > NUMBER_BOUND:
+                return False
+            if column_field.name in nonnegative and (pc.min(column).as_py() or 0) < 0:
+                return False
         return True
 
     def conform(self, table: pyarrow.Table) -> tuple[pyarrow.Table, dict[str, int]]:

@@ -25,7 +25,6 @@ True
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +52,7 @@ def parquet_path(jsonl: Path) -> Path:
 
 
 def source_stamp(jsonl: Path) -> bytes:
-    stat = jsonl.stat()
+    stat = jsonl.lstat()
     return f"{stat.st_size}:{stat.st_mtime_ns}".encode()
 
 
@@ -61,8 +60,10 @@ def fresh_parquet(jsonl: Path) -> Path | None:
     """The Parquet copy of `jsonl` when it was made from the file as it is now (size and mtime match)."""
     import pyarrow.parquet as pq
 
+    from ciuic_doctor.safe_io import is_regular
+
     target = parquet_path(jsonl)
-    if not target.is_file():
+    if not is_regular(target):  # a symlink planted as the copy is not read through
         return None
     try:
         metadata = pq.read_metadata(target).metadata or {}
@@ -96,6 +97,8 @@ def _table(records: list[dict[str, Any]]):  # -> (pyarrow.Table, json column nam
     names: dict[str, None] = {}
     for record in records:
         names.update(dict.fromkeys(record))
+    if any(KEY_SEPARATOR in name for name in names):  # it would split one key into two on the way back
+        raise ValueError("a record has a key holding U+001F: cannot compact it losslessly")
     kinds: dict[str, set[str]] = {name: set() for name in names}
     for record in records:
         for key, value in record.items():
@@ -145,6 +148,7 @@ def compact_file(jsonl: Path) -> CompactResult:
     comes back equal; ValueError (and no file) otherwise."""
     import pyarrow.parquet as pq
 
+    from ciuic_doctor.safe_io import atomic_file
     from ciuic_doctor.store import read_jsonl
 
     stamp = source_stamp(jsonl)
@@ -157,14 +161,14 @@ def compact_file(jsonl: Path) -> CompactResult:
     }
     table = table.replace_schema_metadata(metadata)
     target = parquet_path(jsonl)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    back = parquet_records(tmp)
-    # compared as JSON text: a NaN read from a NaN literal is != itself, and key order counts too
-    if json.dumps(back) != json.dumps(read.records) or source_stamp(jsonl) != stamp:
-        tmp.unlink()
-        raise ValueError(f"{jsonl.name}: the Parquet copy does not give back the same records")
-    os.replace(tmp, target)
+    # the temp file: O_EXCL | O_NOFOLLOW, random name, removed on any failure or Ctrl-C (safe_io)
+    with atomic_file(target) as (fh, tmp):
+        pq.write_table(table, fh, compression="zstd")
+        fh.flush()
+        back = parquet_records(tmp)
+        # compared as JSON text: a NaN read from a NaN literal is != itself, and key order counts too
+        if json.dumps(back) != json.dumps(read.records) or source_stamp(jsonl) != stamp:
+            raise ValueError(f"{jsonl.name}: the Parquet copy does not give back the same records")
     return CompactResult(
         jsonl=jsonl,
         parquet=target,

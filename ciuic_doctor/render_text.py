@@ -11,7 +11,7 @@ _MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "not_run": "----"}
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[int] = ()) -> str:
     """Columns padded to their widest cell; columns whose index is in `right` are right-aligned."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    cells = [[terminal(h) for h in headers]] + [[terminal(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = []
     for n, row in enumerate(cells):
@@ -34,3 +34,25 @@ def findings_table(findings: Sequence[Finding]) -> str:
         where = " ".join(f"{k}={v}" for k, v in f.where.items())
         rows.append([_MARK[f.verdict], f.probe, f.check, where, f.summary])
     return table(["verdict", "probe", "check", "where", "summary"], rows)
+
+
+# C0/C1 controls (ESC starts a terminal escape sequence), DEL, and the bidirectional overrides that
+# reorder what a reader sees ("Trojan Source", CVE-2021-42574): shown as \xNN / \uNNNN, never sent.
+_UNSAFE = {*range(0x20), 0x7F, *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+           *range(0x2066, 0x206A)}  # fmt: skip
+
+
+def terminal(text: object) -> str:
+    """`text` safe to print: a string from a dump, a log or a host name cannot move the cursor, change
+    colours, retitle the terminal or reorder the line (control characters are shown escaped).
+
+    >>> terminal("rank\\x1b[2J 1\\u202e")
+    'rank\\\\x1b[2J 1\\\\u202e'
+    """
+    text = str(text)
+    if all(ord(ch) not in _UNSAFE for ch in text):
+        return text
+    return "".join(
+        ch if ord(ch) not in _UNSAFE else (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
+        for ch in text
+    )

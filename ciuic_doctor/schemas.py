@@ -18,6 +18,7 @@ float, or the "nan" / "inf" / "-inf" strings `store.dumps` writes for non-finite
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # checkpoint stream: the `variant` of the resume record every other variant is compared with
@@ -263,6 +264,44 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 
 
+# The hang files (not streams: one JSON object a file), checked by hang_shapes before a field is read;
+# validate("hang.dump", record) as for a stream.
+HANG_SHAPES: dict[str, dict[str, frozenset[str]]] = {
+    "hang.armed": {
+        "rank": OPT_INT,
+        "world_size": OPT_INT,
+        "host": OPT_STR,
+        "pid": OPT_INT,
+        "start_ticks": OPT_INT,
+    },
+    "hang.dump": {
+        "rank": OPT_INT,
+        "host": OPT_STR,
+        "reason": OPT_STR,
+        "error": OPT_STR,
+        "t": OPT_NUM,
+        "resumed_t": OPT_NUM,
+        "pg_status": OPT_DICT,
+        "fr_file": OPT_STR,
+        "threads": OPT_LIST,
+        "peers": OPT_LIST,
+    },
+    "hang.last": {"op": OPT_STR, "file": OPT_STR, "line": OPT_INT, "function": OPT_STR},
+    "hang.pyspy": {
+        "pid": OPT_INT,
+        "state": OPT_STR,
+        "watched": OPT_BOOL,
+        "threads": OPT_LIST,
+        "error": OPT_STR,
+        "fr_file": OPT_STR,
+        "pg_status": OPT_DICT,
+        "moving": OPT_BOOL,
+    },
+    "hang.peer": {"rank": frozenset({"int"}), "pid": OPT_INT, "state": OPT_STR, "threads": OPT_LIST},
+    "hang.thread": {"main": BOOL},
+}
+SCHEMAS.update(HANG_SHAPES)
+
 # Fields required only in some records: (field, value it has) -> fields those records need.
 # Each field named is required in those records, with the types given.
 CONDITIONAL: dict[str, list[tuple[str, Any, dict[str, frozenset[str]]]]] = {
@@ -321,12 +360,38 @@ def validate(stream: str, record: Any) -> str | None:
                 return f"{name}: missing (in a record with {key} {value!r})"
             if not _fits(record[name], allowed):
                 return f"{name}: expected {' or '.join(sorted(allowed))}, got {json_type(record[name])}"
+    nonnegative = NONNEGATIVE.get(stream, ())
     for name, value in record.items():
         allowed = schema.get(name)
         if allowed is not None and not _fits(value, allowed):
             want = " or ".join(sorted(allowed))
             return f"{name}: expected {want}, got {json_type(value)}"
+        if allowed is not None and not _bounded(value):
+            return f"{name}: beyond ±{NUMBER_BOUND:g}"
+        if name in nonnegative and isinstance(value, int | float) and value < 0:
+            return f"{name}: negative"
     return None
+
+
+# A finite number beyond ±1e150 in a record is off schema: no measurement ciuic-doctor reads comes near
+# it (float32 / bf16 end at 3.4e38, a day is 8.6e10 us), and means, ratios and differences of 1e308
+# overflow (compare and report raised on them, issue 22). Non-finite values stay: they are findings.
+NUMBER_BOUND = 1e150
+# Measurements that cannot be negative (a busbw of -1e308 made compare take the log of a negative ratio).
+NONNEGATIVE: dict[str, frozenset[str]] = {
+    "comm": frozenset({"bytes", "time_us", "busbw_gbps", "algbw_gbps"}),
+    "steps": frozenset({"step_time_s", "pre_backward_s", "loss_scale", "tokens", "samples"}),
+}
+
+
+def _bounded(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value) or abs(value) <= NUMBER_BOUND
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) <= NUMBER_BOUND
+    if isinstance(value, list):
+        return all(_bounded(v) for v in value[:10_000])
+    return True
 
 
 def stream_of(file_name: str) -> str:

@@ -24,21 +24,21 @@ variable cannot end up in a run directory even when a log line or an argv carrie
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
 import re
 import socket
-import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor import __version__
+from ciuic_doctor import __version__, safe_io
 from ciuic_doctor.errors import UserError
+from ciuic_doctor.stream_read import StreamRead, read_jsonl
 
 SCHEMA = 1
 DEFAULT_ROOT = Path("reports")
@@ -95,6 +95,14 @@ def as_float(value: Any) -> float | None:
         return None
 
 
+def _identity(fd: int) -> tuple[int, int]:
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return (-1, -1)
+    return (info.st_dev, info.st_ino)
+
+
 class JsonlWriter:
     """Append-only JSONL stream; each `write` is one `os.write` of one whole line (O_APPEND).
 
@@ -105,27 +113,44 @@ class JsonlWriter:
         self.path = path
         self.rank = rank
         self.host = socket.gethostname()
+        self._fd = -1
         try:
-            # O_NONBLOCK: a FIFO planted as a stream would block the open forever; it fails below instead.
-            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            # never through a symlink, a hard link or a FIFO planted under the stream's name (safe_io)
+            self._fd = safe_io.open_append(path)
+            self._id = _identity(self._fd)
+        except safe_io.Unsafe as exc:
+            raise UserError(f"{path}: cannot write this stream ({exc.why})") from None
         except OSError as exc:
             raise UserError(f"{path}: cannot write this stream ({exc.strerror})") from None
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):
-            os.close(self._fd)
-            self._fd = -1
-            raise UserError(f"{path}: exists and is not a regular file")
-        os.set_blocking(self._fd, True)
 
     def write(self, record: dict[str, Any]) -> None:
         full = {"schema": SCHEMA, "t": time.time(), "host": self.host}
         if self.rank is not None:
             full["rank"] = self.rank
         full.update(record)
-        os.write(self._fd, (dumps(full) + "\n").encode())
+        line = (dumps(full) + "\n").encode()
+        try:
+            if self._ours():
+                os.write(self._fd, line)
+                return
+        except OSError as exc:
+            if exc.errno != errno.EBADF:
+                raise
+        # the watched script closed our descriptor (os.closerange(3, ...)), and its number may now be one
+        # of the script's own files: never written to; the stream is opened again
+        self._fd = safe_io.open_append(self.path)
+        self._id = _identity(self._fd)
+        os.write(self._fd, line)
+
+    def _ours(self) -> bool:
+        """The descriptor is still the stream this writer opened (1 fstat, ~1 us a record)."""
+        return _identity(self._fd) == self._id
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            with contextlib.suppress(OSError):
+                if self._ours():  # never close a descriptor the script reused for its own file
+                    os.close(self._fd)
             self._fd = -1
 
     def __enter__(self) -> JsonlWriter:
@@ -133,100 +158,6 @@ class JsonlWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(kw_only=True)
-class StreamRead:
-    """What a reader found: the records in file order, and what it had to skip.
-
-    `skipped_lines` counts lines that are not JSON objects (a torn last line after a crash);
-    `invalid_records` counts JSON objects that do not fit the stream's schema (ciuic_doctor.schemas), with
-    the reasons (`invalid_reasons`: reason -> count). Neither kind reaches an analysis.
-    """
-
-    records: list[dict[str, Any]] = field(default_factory=list)
-    skipped_lines: int = 0
-    invalid_records: int = 0
-    invalid_reasons: dict[str, int] = field(default_factory=dict)
-    unreadable: list[str] = field(default_factory=list)  # files that could not be read at all, with why
-    files: list[Path] = field(default_factory=list)
-
-    def frame(self):  # -> pandas.DataFrame
-        """The records as a DataFrame (pandas imported here, not at module level)."""
-        import pandas as pd
-
-        return pd.DataFrame.from_records(self.records)
-
-    def merge(self, part: StreamRead) -> None:
-        self.records.extend(part.records)
-        self.skipped_lines += part.skipped_lines
-        self.invalid_records += part.invalid_records
-        for reason, count in part.invalid_reasons.items():
-            self.invalid_reasons[reason] = self.invalid_reasons.get(reason, 0) + count
-        self.unreadable += part.unreadable
-        self.files += part.files
-
-    def problems(self) -> str | None:
-        """One line saying what was skipped, for a command to print; None when nothing was."""
-        parts = []
-        if self.skipped_lines:
-            parts.append(f"{self.skipped_lines} unparsable line(s)")
-        if self.invalid_records:
-            worst = sorted(self.invalid_reasons.items(), key=lambda kv: -kv[1])[:3]
-            parts.append(
-                f"{self.invalid_records} record(s) off schema ("
-                + "; ".join(f"{reason} x{count}" for reason, count in worst)
-                + ")"
-            )
-        parts += self.unreadable
-        return ", ".join(parts) or None
-
-
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of a regular file; OSError for a directory, FIFO, socket or device.
-
-    O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one, issue 11).
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IsADirectoryError(f"{path.name} is not a regular file")
-    return fd
-
-
-def read_jsonl(path: Path, stream: str | None = None) -> StreamRead:
-    """Read one JSONL file. A line that is not a JSON object is counted and skipped; a record that does
-    not fit `stream`'s schema (default: the stream the file name says) is counted, with its reason, and
-    skipped. A path that is not a regular file (a directory, a FIFO) reads as empty, named as unreadable."""
-    from ciuic_doctor.schemas import stream_of, validate
-
-    stream = stream or stream_of(path.name)
-    result = StreamRead(files=[path])
-    try:
-        fh = os.fdopen(_open_regular(path), "rb")
-    except OSError as exc:
-        result.unreadable.append(f"{path.name} unreadable ({exc.strerror or exc})")
-        return result
-    with fh:
-        for raw in fh:
-            line = raw.strip()
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                result.skipped_lines += 1
-                continue
-            if not isinstance(record, dict):
-                result.skipped_lines += 1
-                continue
-            reason = validate(stream, record)
-            if reason is None:
-                result.records.append(record)
-            else:
-                result.invalid_records += 1
-                result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + 1
-    return result
 
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
@@ -241,8 +172,8 @@ _RUN_ENTRY = re.compile(
 
 def _is_our_meta(path: Path) -> bool:
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        meta = json.loads(safe_io.read_bytes(path, max_bytes=safe_io.MAX_JSON_BYTES))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     return (
         isinstance(meta, dict)
@@ -266,6 +197,11 @@ def _foreign_entries(path: Path) -> list[str]:
     except OSError:
         return []
     return [name for name in names if not _RUN_ENTRY.match(name)]
+
+
+# What analyze and report write into a run (RunDir.claim_outputs guards a folder that is not a run).
+OUTPUT_NAMES = ("findings.json", "summary.md", "report.html", "recommendations.json", "recommended.env",
+                "recommended.toml")  # fmt: skip
 
 
 class RunDir:
@@ -320,6 +256,22 @@ class RunDir:
             raise UserError(f"{path}: not a run directory (no meta.json and no *.jsonl streams)")
         return cls(path)
 
+    def claim_outputs(self) -> None:
+        """Before analyze / report write their files: a folder whose meta.json ciuic-doctor did not write
+        (a folder of the user's own *.jsonl) that already holds a file of those names is refused, so a
+        user's summary.md is never replaced (issue 11, still open in issue 22); otherwise meta.json is
+        stamped, so the folder is a run from then on and the next report may replace its own files."""
+        if _is_our_meta(self.meta_path):
+            return
+        held = [n for n in OUTPUT_NAMES if (self.path / n).is_symlink() or (self.path / n).is_file()]
+        if held:
+            raise UserError(
+                f"{self.path}: not a run directory ciuic-doctor made (no meta.json of its own) and it "
+                f"holds {', '.join(held)}, which the report would replace; copy the *.jsonl streams into "
+                "a new folder and run it there"
+            )
+        self.update_meta()
+
     # ---- streams -------------------------------------------------------------------------------
     def stream_path(self, name: str, rank: int | None = None) -> Path:
         return self.path / (f"{name}.jsonl" if rank is None else f"{name}.rank{rank}.jsonl")
@@ -341,10 +293,13 @@ class RunDir:
             key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
         )
         found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
-        regular = [p for p in found if p.is_file()]
+        regular = [p for p in found if safe_io.is_regular(p)]  # lstat: a symlink out is not followed
         if len(regular) < len(found):
-            others = ", ".join(p.name for p in found if not p.is_file())
-            self._irregular[name] = f"{others} unreadable (not a regular file)"
+            self._irregular[name] = ", ".join(
+                f"{p.name} unreadable ({safe_io.irregular_reason(p)}, not a regular file)"
+                for p in found
+                if p not in regular
+            )
             self.read_problems.setdefault(name, self._irregular[name])
         return regular
 
@@ -373,8 +328,7 @@ class RunDir:
         from ciuic_doctor.schemas import clean_meta
 
         try:
-            with os.fdopen(_open_regular(self.meta_path), "rb") as fh:
-                raw = json.loads(fh.read())
+            raw = json.loads(safe_io.read_bytes(self.meta_path, max_bytes=safe_io.MAX_JSON_BYTES))
         except FileNotFoundError:
             return {}
         except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -386,12 +340,15 @@ class RunDir:
 
     @contextlib.contextmanager
     def _meta_lock(self) -> Iterator[None]:
-        with open(self.path / ".meta.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            fd = safe_io.open_append(self.path / ".meta.lock")
+        except OSError as exc:
+            raise UserError(f"{self.path / '.meta.lock'}: cannot lock meta.json ({exc})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def update_meta(self, **fields: Any) -> dict[str, Any]:
         """Merge `fields` into meta.json under a file lock; dict values merge one level deep.
@@ -431,22 +388,28 @@ class RunDir:
 
     # ---- whole files ---------------------------------------------------------------------------
     def write_text(self, name: str, text: str) -> Path:
-        """Write a whole file atomically (temp file + rename), secrets scrubbed."""
+        """Write a whole file atomically, secrets scrubbed: a temp file made with O_EXCL | O_NOFOLLOW in
+        the run, renamed over `name`, so a symlink planted there is replaced, never written through."""
         from ciuic_doctor.envinfo import scrub
 
+        return self.write_bytes(name, scrub(text).encode())
+
+    def write_bytes(self, name: str, data: bytes) -> Path:
+        """A whole file `name` (a folder of the run may come first: `hang.fr/rank0`), atomically."""
         target = self.path / name
-        if target.is_dir() and not target.is_symlink():  # rename cannot replace a directory
-            raise UserError(f"{target}: exists and is a directory; move it away and run again")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(scrub(text))
-        os.replace(tmp, target)
-        return target
+        try:
+            return safe_io.write_atomic(target, data, root=self.path)
+        except safe_io.Unsafe as exc:
+            raise UserError(f"{target}: not written ({exc.why})") from None
 
     def write_json(self, name: str, data: Any) -> Path:
         return self.write_text(name, json.dumps(json.loads(dumps(data)), indent=2) + "\n")
 
     def read_json(self, name: str) -> Any:
-        return json.loads((self.path / name).read_text())
+        """A JSON file of the run (regular, inside it, at most safe_io.MAX_JSON_BYTES)."""
+        return json.loads(
+            safe_io.read_bytes(self.path / name, max_bytes=safe_io.MAX_JSON_BYTES, root=self.path)
+        )
 
 
 def default_run_path(command: str, out: str | Path | None = None) -> Path:

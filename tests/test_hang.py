@@ -164,8 +164,12 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
     try:
         _wait_for(run / "hang.rank0.json", 120)  # ~10 s alone; a loaded 2-core box took over 60
         finding = _hang(run)
+        _within_bar(run)  # before the requests below overwrite the watchdog's own dump
         asked_at = time.time()
         done = run_cli("hang", "--pid", str(proc.pid), "--wait", "2", "--json", timeout=120)
+        # --out elsewhere: the ranks still dump into their own run; their dumps are read from there
+        elsewhere = tmp_path / "elsewhere"
+        out = run_cli("hang", "--pid", str(proc.pid), "--out", str(elsewhere), "--json", timeout=120)
     finally:
         _kill_tree(proc)
     ev = finding["evidence"]
@@ -174,7 +178,6 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
     if ev["culprit_frame"] is None:
         pytest.skip("py-spy was refused access to the stopped rank (ptrace)")
     assert "save_checkpoint at" in ev["culprit_frame"]
-    _within_bar(run)
     assert done.returncode == 1, done.stderr
     asked = json.loads(done.stdout)[0]["evidence"]
     assert (asked["kind"], asked["culprit_ranks"]) == ("stall", [1]), done.stdout
@@ -183,15 +186,22 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
     assert (answer["reason"], answer["t"] > asked_at) == ("requested", True)
     sources = {row["rank"]: row["source"] for row in asked["ranks"]}
     assert sources == {0: "watchdog", 1: "py-spy"}
+    assert out.returncode == 1, out.stdout + out.stderr  # main said PASS: it waited for dumps in --out
+    there = json.loads(out.stdout)[0]["evidence"]
+    assert (there["kind"], there["culprit_ranks"]) == ("stall", [1]), out.stdout
+    assert {row["rank"]: row["source"] for row in there["ranks"]} == {0: "watchdog", 1: "py-spy"}
+    assert json.loads((elsewhere / "hang.rank0.json").read_text())["reason"] == "requested"
 
 
 @pytest.mark.slow
 def test_hang_pid_on_a_job_started_without_watch_names_the_stuck_frame(tmp_path):
     if py_spy_binary() is None:
         pytest.skip("py-spy is not installed")
-    proc = _launch([str(JOB), "loader"], env={"HANG_PG_TIMEOUT": "120"})
+    proc = _launch([str(JOB), "loader"], env={"HANG_PG_TIMEOUT": "600"})
     try:
-        deadline, ev, done = time.monotonic() + 60, {}, None
+        # until rank 0 waits and rank 1 sleeps (observable: the judgement); 60 s ran out under two CPU
+        # burners on the loaded 2-core box (load 27), so the bound is far past what a quiet run takes (~20 s)
+        deadline, ev, done = time.monotonic() + 240, {}, None
         while time.monotonic() < deadline and ev.get("kind") != "stall":
             time.sleep(2)
             done = run_cli(

@@ -95,10 +95,15 @@ class Position:
 
 def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The innermost frame in the user's code (frames are innermost first); never one of watch's own, nor
-    a console script's (`bin/ciuic-doctor`, `bin/torchrun`: the frame that runs everything below it)."""
+    a console script's (`bin/ciuic-doctor`, `bin/torchrun`: the frame that runs everything below it), nor
+    a C/C++ frame."""
     for frame in frames:
         name = str(frame.get("file") or frame.get("filename") or "")
-        if not any(part in name for part in _LIBRARY) and name.rsplit("/", 1)[-1] not in _LAUNCHERS:
+        if (
+            not frame.get("native")
+            and not any(part in name for part in _LIBRARY)
+            and name.rsplit("/", 1)[-1] not in _LAUNCHERS
+        ):
             return frame
     return None
 
@@ -123,11 +128,30 @@ def _main_frames(threads: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return (threads or [{}])[0].get("frames", []) if threads else []
 
 
+# C++ frames (py-spy --native) that wait for a collective: DDP's reducer waits for its gradient buckets'
+# all_reduce at the end of backward; a process group's own wait. (substring of the function, its op)
+_NATIVE_WAITS = (
+    ("c10d::Reducer::", "all_reduce"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
+    ("reduce_scatter", "reduce_scatter"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"),
+    ("barrier", "barrier"),
+)  # fmt: skip
+
+
 def _collective_in(frames: list[dict[str, Any]]) -> str | None:
-    """The c10d function a stack is inside (all_reduce, barrier, ...), or None."""
+    """The c10d function a stack is inside (all_reduce, barrier, ...), or None; in C++ frames too
+    (DDP's all_reduce inside backward is seen only there)."""
     for frame in frames:
         if str(frame.get("file", "")).endswith("distributed_c10d.py"):
             return str(frame.get("function"))
+    for frame in frames:
+        function = str(frame.get("function") or "")
+        if frame.get("native") and (
+            "c10d::" in function or "gloo::" in function or "nccl" in function.lower()
+        ):
+            lowered = function.lower()
+            for part, op in _NATIVE_WAITS:
+                if part.lower() in lowered:
+                    return op
     return None
 
 
@@ -250,8 +274,8 @@ def _expected(history: list[tuple[str, str, str]], seq: int | None) -> tuple[str
         tail = history[-2 * period :]
         if tail[:period] == tail[period:]:
             index = seq - 1 - period
-            while index >= len(history):
-                index -= period
+            if index >= len(history):  # whole periods back into the history (seq may be 2**62: no loop)
+                index -= -(-(index - len(history) + 1) // period) * period
             return history[index] if index >= 0 else None
     return None
 

@@ -37,6 +37,29 @@ def _available(command: str) -> bool:
     return importlib.util.find_spec(f"ciuic_doctor.commands.{module}") is not None
 
 
+def _die_with_us():  # -> Callable[[], None] | None
+    """For Popen's preexec_fn: the child gets SIGTERM when checkup dies, even by SIGKILL
+    (PR_SET_PDEATHSIG, as launch.py does for ranks), so kill -9 of checkup leaves no torchrun, memwatch
+    or rank training on. torchrun passes the SIGTERM on to its ranks. None where there is no prctl."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # checkup died between the fork and the prctl
+            os._exit(128 + signal.SIGTERM)
+
+    return arm
+
+
 def _child_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CIUIC_RUN_DIR", None)  # every child gets --out explicitly
@@ -86,7 +109,14 @@ class Checkup:
         # Ctrl-C), and only its scrubbed copy reaches the run directory.
         log = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 (closed in finish)
         command = [*(launcher or [sys.executable]), "-m", "ciuic_doctor", *argv]
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env(), text=True)
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_child_env(),
+            text=True,
+            preexec_fn=_die_with_us(),  # noqa: PLW1509 - one libc call, prepared before the fork
+        )
         proc.log = log  # type: ignore[attr-defined]
         phase.seconds = time.perf_counter()
         return phase, proc
@@ -130,10 +160,13 @@ class Checkup:
         total_s = round(time.perf_counter() - started, 2)
         from ciuic_doctor.hang_files import has_hang_dumps
 
-        # Did the job hang (issue 16): a rank dumped hang files, or the job phase ran out of time.
-        hung = has_hang_dumps(self.run.path) or any(
-            p.name == "job" and p.status == "timeout" for p in self.phases
+        # Did the job hang: the hang doctor judged the ranks' dumps a hang (a dump made when checkup's own
+        # --timeout stopped a slow, healthy job says "not hung when dumped"). A job phase that ran out of
+        # --timeout is "did not finish", not "hung" (issue 22).
+        hung = has_hang_dumps(self.run.path) and any(
+            f.probe == "hang" and f.check == "hang" and f.verdict == "fail" for f in result.findings
         )
+        unfinished = [p for p in self.phases if p.name == "job" and p.status == "timeout"]
         phases = [asdict(p) for p in self.phases]
         self.run.update_meta(checkup={"phases": phases, "seconds": total_s, "hung": hung})
         self.say("report", f"{'ok':<8} {time.perf_counter() - t0:6.1f} s")
@@ -141,6 +174,8 @@ class Checkup:
         print(result.summary)
         if hung:
             print(f"the job hung: `ciuic-doctor hang {self.run.path}` says which rank, where and why")
+        elif unfinished:
+            print(f"the job did not finish: {unfinished[0].reason} (--timeout); its records so far are kept")
         if baseline is not None:
             from ciuic_doctor.compare import summary_lines
 

@@ -44,7 +44,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     run_dir.record_environment()
     run_dir.update_meta(checkup={"phases": [], "script": argv, "nproc": nproc})
-    print(f"checkup of {' '.join(argv)}: {nproc} local rank(s), run directory {out}", flush=True)
+    from ciuic_doctor.envinfo import redact_argv
+    from ciuic_doctor.render_text import terminal
+
+    shown = terminal(" ".join(redact_argv(argv)))  # --hf-token X never reaches the terminal or a log
+    print(f"checkup of {shown}: {nproc} local rank(s), run directory {out}", flush=True)
     checkup = Checkup(run_dir, total=len(PHASES) + 1)
 
     if "comm-bench" in skip:

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.store import RunDir
 
     run_dir = RunDir.open(args.run)
+    run_dir.claim_outputs()
     if args.peak_tflops:
         run_dir.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "analyze --peak-tflops"})
     findings = run_all(run_dir)

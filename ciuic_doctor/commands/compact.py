@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 NAME = "compact"
@@ -31,12 +32,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
+    from ciuic_doctor import safe_io
     from ciuic_doctor.errors import UserError
     from ciuic_doctor.parquet_store import compact_file, fresh_parquet
     from ciuic_doctor.store import RunDir
 
     run_dir = RunDir.open(args.run)
-    files = sorted(run_dir.path.glob("*.jsonl"))
+    found = sorted(run_dir.path.glob("*.jsonl"))
+    files = [f for f in found if safe_io.is_regular(f)]  # a symlink, FIFO or device is not compacted
+    irregular = [
+        f"{f.name}: {safe_io.irregular_reason(f)}, not a regular file" for f in found if f not in files
+    ]
     if args.stream:
         files = [f for f in files if f.name.split(".", 1)[0] in set(args.stream)]
         if not files:
@@ -51,6 +57,14 @@ def run(args: argparse.Namespace) -> int:
             failed.append(f"{path.name}: {exc}")
             return None
 
+    def stop(signum: int, frame: object) -> None:
+        # SIGTERM: leaving the pool lets the files being written finish (each renamed into place or
+        # removed: no .tmp stays, issue 22), then the exit is 143
+        from ciuic_doctor.launch import Interrupted
+
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = [r for r in pool.map(one, todo) if r is not None]
     if not args.quiet:
@@ -69,6 +83,6 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(r.records for r in results)} records, "
         f"{sum(r.skipped_lines for r in results)} torn line(s) skipped"
     )
-    for line in failed:
+    for line in irregular + failed:
         print(f"ciuic-doctor compact: not compacted: {line}", file=sys.stderr)
     return 1 if failed else 0

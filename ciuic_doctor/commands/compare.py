@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(json.loads(dumps(result.to_dict())), indent=2))
     else:
-        print("\n".join(result.lines()))
+        from ciuic_doctor.render_text import terminal
+
+        print("\n".join(terminal(line) for line in result.lines()))  # names from runs: no escapes
         if args.out:
             print(f"written: {path}")
     return 0

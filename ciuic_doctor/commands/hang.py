@@ -49,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.analysis.hang import judge, run_status
     from ciuic_doctor.errors import UserError
     from ciuic_doctor.hang_files import has_hang_dumps, load
-    from ciuic_doctor.render_text import findings_table
+    from ciuic_doctor.render_text import findings_table, terminal
     from ciuic_doctor.store import RunDir
 
     if (args.run is None) == (args.pid is None):
         raise UserError("give a run directory (hang RUN) or a running job (hang --pid PID), not both")
+    if args.pid is not None and args.pid <= 0:
+        raise UserError(f"--pid {args.pid}: a process id is a positive number")
     if args.pid is not None:
         from ciuic_doctor.probes.hang.pid import gather
 
@@ -80,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
         for row in hang.evidence.get("ranks", []):
             where = row.get("frame") or "?"
             inside = f"in {row['op']} #{row['seq']}" if row.get("in_collective") else "outside any collective"
-            print(f"  rank {row['rank']}: {row['state'] or 'unseen'} ({row['source']}), {inside}, at {where}")
+            line = f"  rank {row['rank']}: {row['state'] or 'unseen'} ({row['source']}), {inside}, at {where}"
+            print(terminal(line))  # names from dump files: no escape sequence reaches the terminal
         if hang.evidence.get("next"):
             print(f"\nnext: {hang.evidence['next']}")
         for problem in files.problems:
-            print(f"note: {problem}", file=sys.stderr)
+            print(f"note: {terminal(problem)}", file=sys.stderr)
     return 1 if any(f.verdict == "fail" for f in findings) else 0

@@ -260,6 +260,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = sweep.run()
     except KeyboardInterrupt:
+        if _TERMINATED:  # README: SIGTERM is 143, Ctrl-C 130; the records are kept either way
+            from ciuic_doctor.launch import Interrupted
+
+            run_dir.record_probe(NAME, status="killed")
+            raise Interrupted(signal.SIGTERM) from None
         run_dir.record_probe(NAME, status="interrupted")
         raise
     failed = [
@@ -282,7 +287,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_TERMINATED: list[int] = []  # the signal that ended the sweep, when it was not Ctrl-C
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    _TERMINATED.append(signum)
     raise KeyboardInterrupt
 
 

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     out = default_run_path(NAME, args.out)
     result = watch(config, out)
     print(summary(result))
-    return 0
+    # README: 130 interrupted (Ctrl-C), 128 + N stopped by signal N (SIGTERM: 143); records kept either way
+    return {"interrupted": 130, "terminated": 143}.get(result.end_reason, 0)
 
 
 def summary(result) -> str:  # result: ciuic_doctor.probes.memwatch.sampler.WatchResult

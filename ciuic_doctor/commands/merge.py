@@ -19,7 +19,9 @@ wrote a local directory instead, copy them to one machine and merge them:
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import sys
 
 NAME = "merge"
 HELP = "merge per-node run directories copied to one machine into one run directory"
@@ -33,69 +35,138 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from ciuic_doctor.errors import UserError
     from ciuic_doctor.store import RunDir
 
     if len(args.runs) < 2:
         raise UserError("merge needs at least two run directories")
     inputs = [RunDir.open(path) for path in args.runs]
+    target = Path(args.out)
+    made = not target.exists()
     out = RunDir.create(args.out)
     if any(out.path.iterdir()):
         raise UserError(f"--out {out.path}: not empty (merge writes a new run directory)")
     resolved = {r.path.resolve() for r in inputs}
     if len(resolved) < len(inputs) or out.path.resolve() in resolved:
         raise UserError("merge: each RUN once, and --out must be none of them")
-    plan = plan_merge(inputs)
-    summary = write_merge(plan, inputs, out)
+    try:
+        plan, skipped = plan_merge(inputs)
+        summary = write_merge(plan, inputs, out)
+    except BaseException:  # a refusal, a full disk or Ctrl-C: no half-made run directory stays
+        _remove_partial(out.path, made=made)
+        raise
     print(
         f"merged {len(inputs)} run directories into {out.path}: {summary['rank_files']} per-rank file(s) "
         f"({summary['ranks']} ranks), {summary['shared_files']} shared stream file(s), "
         f"{summary['torn_lines']} torn line(s) dropped; hosts: {', '.join(summary['hosts']) or 'unknown'}"
     )
+    for line in skipped:
+        print(f"ciuic-doctor merge: skipped {line}", file=sys.stderr)
     print(f"next: ciuic-doctor report {out.path}")
     return 0
 
 
-def plan_merge(inputs: list) -> dict[str, list]:
-    """{file name: [source paths]}; UserError when one rank's file differs between inputs."""
+def _remove_partial(path, *, made: bool) -> None:
+    import contextlib
+    import shutil
+
+    if made:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for entry in list(path.iterdir()):  # --out was an existing empty folder: empty it again
+        with contextlib.suppress(OSError):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def plan_merge(inputs: list) -> tuple[dict[str, list], list[str]]:
+    """({file name: [source paths]}, [what was skipped]); UserError when one rank's file differs between
+    inputs. Only regular files inside each input are taken: a symlink (it could name any file on the
+    machine), a FIFO (a read never ends), a device (/dev/zero never ends) or a folder is skipped, named."""
+    from ciuic_doctor import safe_io
     from ciuic_doctor.errors import UserError
 
     sources: dict[str, list] = {}
+    skipped: list[str] = []
     for run in inputs:
         for path in sorted(run.path.glob("*.jsonl")):
+            if (why := safe_io.irregular_reason(path)) is not None:
+                skipped.append(f"{path}: {why}, not a regular file")
+                continue
             sources.setdefault(path.name, []).append(path)
     for name, paths in sources.items():
         if _RANK_FILE.match(name) and len(paths) > 1:
-            first = paths[0].read_bytes()
-            if any(p.read_bytes() != first for p in paths[1:]):
+            if any(not _same_bytes(paths[0], p) for p in paths[1:]):
                 where = ", ".join(str(p.parent) for p in paths)
                 raise UserError(
                     f"{name} is in several inputs with different records ({where}): the same rank cannot "
                     "have run on two nodes of one job; merge the runs of one job only"
                 )
             sources[name] = paths[:1]  # the same file copied twice
-    return sources
+    return sources, skipped
+
+
+_CHUNK = 1 << 20
+
+
+def _same_bytes(a, b) -> bool:
+    from ciuic_doctor import safe_io
+
+    with (
+        open(safe_io.open_regular(a, max_bytes=safe_io.MAX_STREAM_BYTES), "rb") as fa,
+        open(safe_io.open_regular(b, max_bytes=safe_io.MAX_STREAM_BYTES), "rb") as fb,
+    ):
+        while True:
+            x, y = fa.read(_CHUNK), fb.read(_CHUNK)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _append(source, fd: int, *, whole_lines: bool) -> bool:
+    """Copy `source` (a regular file of at most safe_io.MAX_STREAM_BYTES) to the end of `fd` in chunks;
+    with `whole_lines` a torn last line is cut off again. True when a torn line was dropped."""
+    from ciuic_doctor import safe_io
+
+    start = os.lseek(fd, 0, os.SEEK_END)
+    copied, last_newline = 0, -1
+    with open(safe_io.open_regular(source, max_bytes=safe_io.MAX_STREAM_BYTES), "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            if copied + len(chunk) > safe_io.MAX_STREAM_BYTES:  # it grew while read
+                chunk = chunk[: safe_io.MAX_STREAM_BYTES - copied]
+            if (at := chunk.rfind(b"\n")) >= 0:
+                last_newline = copied + at
+            os.write(fd, chunk)
+            copied += len(chunk)
+            if copied >= safe_io.MAX_STREAM_BYTES:
+                break
+    if whole_lines and last_newline + 1 < copied:  # a torn last line would swallow the next file's first
+        os.ftruncate(fd, start + last_newline + 1)
+        os.lseek(fd, 0, os.SEEK_END)
+        return True
+    return False
 
 
 def write_merge(sources: dict[str, list], inputs: list, out) -> dict:
-    import shutil
 
     ranks, torn, rank_files, shared_files = set(), 0, 0, 0
     for name, paths in sorted(sources.items()):
-        target = out.path / name
         match = _RANK_FILE.match(name)
-        if match:
-            shutil.copyfile(paths[0], target)
-            ranks.add(int(match["rank"]))
-            rank_files += 1
-            continue
-        with open(target, "wb") as fh:
+        fd = os.open(out.path / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            if match:
+                _append(paths[0], fd, whole_lines=False)
+                ranks.add(int(match["rank"]))
+                rank_files += 1
+                continue
             for path in paths:
-                data = path.read_bytes()
-                whole = data[: data.rfind(b"\n") + 1]  # a torn last line would swallow the next file's first
-                torn += bool(data[len(whole) :].strip())
-                fh.write(whole)
-        shared_files += 1
+                torn += _append(path, fd, whole_lines=True)
+            shared_files += 1
+        finally:
+            os.close(fd)
+    hang_files = _copy_hang_files(inputs, out)
     metas = [(run, run.read_meta()) for run in inputs]
     base = dict(metas[0][1])
     probes: dict = {}
@@ -118,4 +189,41 @@ def write_merge(sources: dict[str, list], inputs: list, out) -> dict:
         "shared_files": shared_files,
         "torn_lines": torn,
         "hosts": hosts,
+        "hang_files": hang_files,
     }
+
+
+_HANG_FILE = re.compile(r"^hang\.rank\d{1,9}\.(json|armed\.json|last\.json|fatal\.txt|stacks\.txt)$")
+
+
+def _copy_hang_files(inputs: list, out) -> int:
+    """Every input's hang files (a rank's dump, its Flight Recorder file, its watchdog's armed record):
+    the first input that has a rank's file gives it. Regular files inside the input only, each at most
+    its cap (safe_io), written without following a symlink."""
+    from ciuic_doctor import safe_io
+
+    copied = 0
+    for run in inputs:
+        names = [p.name for p in run.path.glob("hang.rank*") if _HANG_FILE.match(p.name)]
+        names += [
+            f"hang.fr/{p.name}"
+            for p in run.path.glob("hang.fr/rank*")
+            if re.fullmatch(r"rank\d{1,9}", p.name)
+        ]
+        for name in sorted(names):
+            if (out.path / name).exists():
+                continue
+            cap = safe_io.MAX_PICKLE_BYTES if name.startswith("hang.fr/") else safe_io.MAX_JSON_BYTES
+            try:
+                data = safe_io.read_bytes(run.path / name, max_bytes=cap, root=run.path)
+                if name.startswith("hang.fr/"):
+                    safe_io.make_dir(out.path, "hang.fr")
+                safe_io.write_atomic(out.path / name, data, root=out.path)
+            except OSError as exc:
+                print(
+                    f"ciuic-doctor merge: skipped {run.path / name}: {getattr(exc, 'why', None) or exc}",
+                    file=sys.stderr,
+                )
+                continue
+            copied += 1
+    return copied

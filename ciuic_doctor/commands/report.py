@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     baseline = RunDir.open(args.baseline) if args.baseline else None
+    run_dir = RunDir.open(args.run)
+    run_dir.claim_outputs()  # a folder of the user's own *.jsonl keeps its own summary.md
     result = build_report(
-        RunDir.open(args.run),
+        run_dir,
         spec_path=args.spec,
         analyze=True if args.reanalyze else None,
         baseline=baseline,

@@ -12,7 +12,8 @@ steps are recorded (`optimizer`: index in creation order, `optimizer_class`). Ra
 itself (torch.multiprocessing.spawn, a re-run of its own argv as Lightning devices=2 does) record their
 own streams. No device sync per step. Records are on disk as they are made (kill -9 keeps every finished
 step); the exit code is the script's; meta.json's probes.watch.status says how it ended: finished,
-failed (exit_code), interrupted (Ctrl-C, 130), exited (os._exit) or killed (SIGTERM, 143).
+failed (exit_code), interrupted (Ctrl-C, 130), exited (os._exit), exec (os.exec*: it became another
+program) or killed (SIGTERM, 143).
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         _report(session, args, argv, code=code, status=status, children=children, since=started)
 
     def on_abrupt_end(status: str, code: int) -> None:  # os._exit or SIGTERM: no finally will run
-        if status == "exited":  # os._exit, on the script's own thread: pending records can be written
+        if status in ("exited", "exec"):  # os._exit / os.exec*, on the script's own thread: records flushed
             session.close()
         report(status, code)
 

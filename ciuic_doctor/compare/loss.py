@@ -29,11 +29,17 @@ TOLERANCE_SIGMAS = 4.0  # |z| > 4 happens by chance at 6 in 100,000 steps of Gau
 
 
 def _losses(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
-    """{step: {rank: loss}} for finite losses."""
+    """{step: {rank: loss}} for finite losses; a loss beyond ±1e150 (no float32/bf16 training gives one:
+    their largest value is 3.4e38) is left out, so the means and differences below cannot overflow."""
     out: dict[int, dict[int, float]] = defaultdict(dict)
     for r in records:
         value = as_float(r.get("loss"))
-        if isinstance(r.get("step"), int) and value is not None and math.isfinite(value):
+        if (
+            isinstance(r.get("step"), int)
+            and value is not None
+            and math.isfinite(value)
+            and abs(value) <= 1e150
+        ):
             out[r["step"]][r.get("rank") if isinstance(r.get("rank"), int) else 0] = value
     return out
 

@@ -12,6 +12,7 @@ source to blame (the file, or the `--set` that set the key).
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -147,7 +148,27 @@ def _model_problems(model: dict[str, Any]) -> list[str]:
         out.append("[model] topk_group: must be <= n_group")
     if "num_key_value_heads" in ints and ints.get("num_attention_heads", 0) % ints["num_key_value_heads"]:
         out.append("[model] num_attention_heads: must be a multiple of num_key_value_heads")
+    if (need := _largest_matrix_bytes(ints)) > (have := _host_memory_bytes()):
+        out.append(
+            f"[model] hidden_size = {ints.get('hidden_size')}: its largest weight alone needs "
+            f"{need / 2**30:,.0f} GiB, more than this host's {have / 2**30:,.0f} GiB of memory"
+        )
     return out
+
+
+def _largest_matrix_bytes(model: dict[str, int]) -> int:
+    """fp32 bytes of the model's largest single weight (the embedding or an MLP), a lower bound of what
+    one rank allocates: `job` with hidden_size = 1e9 died in every rank asking for 4 TB (issue 22)."""
+    hidden = model.get("hidden_size", 128)
+    widest = max(model.get(k, 0) for k in ("vocab_size", "intermediate_size", "moe_intermediate_size"))
+    return 4 * hidden * max(widest, hidden)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 2**62
 
 
 def problems(data: dict[str, Any]) -> list[str]:

@@ -66,6 +66,8 @@ def nice_seconds(seconds: float) -> float:
     for nice in (60, 120, 300, 600, 900, 1200, 1800, 2700, 3600, 5400, 7200):
         if seconds <= nice:
             return float(nice)
+    if not math.isfinite(seconds) or seconds > 1e9:  # an "inf" or 1e308 record: the CLI's own bound
+        return 1e9
     return float(math.ceil(seconds / 3600) * 3600)
 
 

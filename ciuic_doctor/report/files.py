@@ -48,6 +48,30 @@ def _one_line(text: object) -> str:
     return "".join(ch if ch.isprintable() else " " for ch in str(text))
 
 
+# Markdown that turns text into markup or HTML: escaped with a backslash (CommonMark: any ASCII
+# punctuation may be), so a host, file or function name from a log renders as the text it is.
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]<>|&])")
+
+
+def md_text(text: object) -> str:
+    """Plain text for summary.md: one line, every Markdown or HTML special character escaped.
+
+    >>> md_text("<img src=x onerror=alert(1)> **b** [x](y)")
+    '\\\\<img src=x onerror=alert(1)\\\\> \\\\*\\\\*b\\\\*\\\\* \\\\[x\\\\](y)'
+    """
+    return _MD_SPECIAL.sub(r"\\\1", _one_line(text))
+
+
+def md_code(text: object, *, cell: bool = False) -> str:
+    """An inline code span holding `text` as it is: one line, fenced with more backticks than it holds;
+    in a table `cell`, `|` escaped (a pipe ends a GFM table cell even inside code)."""
+    flat = _one_line(text)
+    flat = flat.replace("|", "\\|") if cell else flat
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", flat)), default=0) + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}"
+
+
 def applied(plan: Plan) -> Plan:
     """The recommendations that change files: measured ones only (an unmeasured 'leave unset' is advice)."""
     return Plan(recommendations=[r for r in plan.recommendations if r.evidence.get("measured") is not False])
@@ -168,30 +192,32 @@ def summary_md(
     overall = overall_verdict(everything)
     counts = {v: sum(1 for f in everything if f.verdict == v) for v in ("fail", "warn", "pass", "not_run")}
     lines = [
-        f"## ciuic-doctor: {spec.job.name} — {_MARK[overall]}",
+        f"## ciuic-doctor: {md_text(spec.job.name)} — {_MARK[overall]}",
         "",
-        f"run `{provenance.get('run')}` · torch {provenance.get('torch') or '?'} · CUDA "
-        f"{provenance.get('cuda') or 'none'} · NCCL {provenance.get('nccl') or 'none'} · world size "
-        f"{provenance.get('world_size') or '?'} · {provenance.get('created') or ''}",
+        f"run {md_code(provenance.get('run'))} · torch {md_text(provenance.get('torch') or '?')} · CUDA "
+        f"{md_text(provenance.get('cuda') or 'none')} · NCCL {md_text(provenance.get('nccl') or 'none')} · "
+        f"world size {md_text(provenance.get('world_size') or '?')} · "
+        f"{md_text(provenance.get('created') or '')}",
         "",
         f"**Checks:** {counts['fail']} fail, {counts['warn']} warn, {counts['pass']} pass, "
         f"{counts['not_run'] + len(not_run)} not run (a pass covers only the checks that ran).",
     ]
     problems = [f for f in everything if f.verdict in ("fail", "warn")]
     for f in problems[:max_items]:
-        lines.append(f"- {_MARK[f.verdict]} `{f.probe}/{f.check}`: {f.summary}")
+        lines.append(f"- {_MARK[f.verdict]} {md_code(f'{f.probe}/{f.check}')}: {md_text(f.summary)}")
     if len(problems) > max_items:
         lines.append(f"- … and {len(problems) - max_items} more in report.html")
     for item in not_run:
-        lines.append(f"- NOT RUN `{item['command']}`: {item['reason']}")
+        lines.append(f"- NOT RUN {md_code(item['command'])}: {md_text(item['reason'])}")
     changes = [r for r in plan.recommendations if is_change(r)]
     lines += ["", "**Recommended changes**" if changes else "**Recommended changes:** none"]
     if changes:
         lines += ["", "| setting | current | recommended | confidence |", "|---|---|---|---|"]
         for r in changes:
-            current = show_value(r.current) if r.current is not None else "—"
+            current = md_code(show_value(r.current), cell=True) if r.current is not None else "—"
+            shown = md_code(show_value(r.value, r.setting), cell=True)
             lines.append(
-                f"| `{r.setting}` | `{current}` | `{show_value(r.value, r.setting)}` | {r.confidence} |"
+                f"| {md_code(r.setting, cell=True)} | {current} | {shown} | {md_text(r.confidence)} |"
             )
     lines += ["", "**Seed tips:** " + " · ".join(f"{t.number} {_TIP_MARK[t.status]}" for t in tips)]
     lines += ["", "Files: report.html, recommended.env, recommended.toml, recommendations.json."]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import socket
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from ciuic_doctor import fr_dump, safe_io
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
@@ -69,7 +69,11 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
     for rank in watched:
         with contextlib.suppress(psutil.Error):
             ranks[rank].send_signal(signal.SIGUSR1)
-    answered = _wait_for_dumps(run.path, set(watched), since=asked, wait_s=wait_s) if watched else set()
+    # each rank dumps into its own run directory, wherever that is; with --out elsewhere, copied here
+    answered = _wait_for_dumps(watched, since=asked, wait_s=wait_s) if watched else set()
+    for rank in sorted(answered):
+        if watched[rank].resolve() != run.path.resolve() and not _bring_dump(rank, watched[rank], run):
+            answered.discard(rank)
     record: dict[str, Any] = {
         "schema": 1,
         "t": time.time(),
@@ -89,7 +93,7 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
             first_looks[rank] = entry["threads"]
         if fr := _copy_flight_recorder(proc, rank, run.path):
             entry["fr_file"] = fr
-            entry["pg_status"] = fr_status_of(run.path / fr)
+            entry["pg_status"] = fr_status_of(run.path / fr, root=run.path)
         record["ranks"][str(rank)] = entry
     if first_looks:  # one look can catch a healthy rank between two collectives: look again
         time.sleep(SECOND_LOOK_S)
@@ -98,6 +102,14 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
             entry = record["ranks"][str(rank)]
             entry["moving"] = _main(first) != _main(again)
             entry["threads"] = again or first
+            if not entry["moving"] and _ends_in_torch(entry["threads"]):
+                # its Python stack ends in a call into torch's C++ (backward, a collective's wait): the
+                # native frames say whether that is DDP's all_reduce inside backward
+                native, why = py_spy_stacks(ranks[rank].pid, native=True)
+                if native:
+                    entry["threads"] = native
+                else:
+                    entry["native_error"] = why
     run.write_json("hang.pyspy.json", record)
     refused = [e["error"] for e in record["ranks"].values() if e.get("error")]
     if refused and len(refused) == len(ranks) and not answered:
@@ -105,42 +117,90 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
     return run
 
 
-def _wait_for_dumps(path: Path, ranks: set[int], *, since: float, wait_s: float) -> set[int]:
+def _wait_for_dumps(watched: dict[int, Path], *, since: float, wait_s: float) -> set[int]:
+    """The ranks whose dump, in their own run directory, is newer than the request."""
     deadline = time.monotonic() + wait_s
     done: set[int] = set()
-    while time.monotonic() < deadline and done != ranks:
-        for rank in ranks - done:
-            dump = path / f"hang.rank{rank}.json"
+    while time.monotonic() < deadline and done != set(watched):
+        for rank in set(watched) - done:
+            dump = watched[rank] / f"hang.rank{rank}.json"
             with contextlib.suppress(OSError):
-                if dump.stat().st_mtime >= since - 1:
+                if dump.lstat().st_mtime >= since - 1:
                     done.add(rank)
         time.sleep(0.2)
     return done
 
 
+def _bring_dump(rank: int, source: Path, run: RunDir) -> bool:
+    """Copy rank `rank`'s dump (JSON, stacks, Flight Recorder file) from its run directory into `run`:
+    regular files inside `source` only, each at most its cap, written without following a symlink."""
+    names = [
+        (f"hang.rank{rank}.stacks.txt", safe_io.MAX_TEXT_BYTES),
+        (f"hang.fr/rank{rank}", safe_io.MAX_PICKLE_BYTES),
+        (f"hang.rank{rank}.armed.json", safe_io.MAX_JSON_BYTES),
+        (f"hang.rank{rank}.json", safe_io.MAX_JSON_BYTES),  # last: its presence means complete
+    ]
+    for name, cap in names:
+        try:
+            data = safe_io.read_bytes(source / name, max_bytes=cap, root=source)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            if name.endswith(".json") and ".armed" not in name:
+                return False
+            continue
+        with contextlib.suppress(OSError):
+            if name.startswith("hang.fr/"):
+                safe_io.make_dir(run.path, "hang.fr")
+            safe_io.write_atomic(run.path / name, data, root=run.path)
+    return True
+
+
 def _copy_flight_recorder(proc: psutil.Process, rank: int, run_path: Path) -> str | None:
-    """NCCL's own Flight Recorder dump of `rank` (file `<prefix><rank>`), copied next to ours."""
+    """NCCL's own Flight Recorder dump of `rank` (file `<prefix><rank>`), copied next to ours.
+
+    The file is the job's user's (run as root on a user's job, it is someone else's): it is read only
+    when it is a regular file owned by the rank's own user (/tmp is shared), not through a symlink, at
+    most safe_io.MAX_PICKLE_BYTES, and it is parsed as data only (fr_dump: no global, so no code runs)
+    before it is kept. Anything else is left where it is.
+    """
     try:
         env = proc.environ()
+        uid = proc.uids().real
     except psutil.Error:
         return None
     for name in _FR_ENV:
         prefix = env.get(name, NCCL_DEFAULT_PREFIX if name == _FR_ENV[-1] else None)
-        # a pickle: only one the rank's own user wrote (/tmp is shared) is read
-        if prefix and os.path.isfile(f"{prefix}{rank}") and _same_owner(f"{prefix}{rank}", proc):
-            (run_path / "hang.fr").mkdir(exist_ok=True)
-            target = run_path / "hang.fr" / f"rank{rank}"
-            if not target.exists():
-                shutil.copyfile(f"{prefix}{rank}", target)
-            return f"hang.fr/rank{rank}"
+        if not prefix:
+            continue
+        source = Path(f"{prefix}{rank}")
+        try:
+            fd = safe_io.open_regular(source, max_bytes=safe_io.MAX_PICKLE_BYTES)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as fh:
+            if os.fstat(fh.fileno()).st_uid != uid:  # the descriptor's owner: no race with a rename
+                continue
+            raw = fh.read(safe_io.MAX_PICKLE_BYTES + 1)
+        try:
+            fr_dump.parse(raw)
+        except ValueError:
+            continue
+        target = run_path / "hang.fr" / f"rank{rank}"
+        if not safe_io.is_regular(target):
+            try:
+                safe_io.make_dir(run_path, "hang.fr")
+                safe_io.write_atomic(target, raw, root=run_path)
+            except OSError:
+                continue
+        return f"hang.fr/rank{rank}"
     return None
 
 
-def _same_owner(path: str, proc: psutil.Process) -> bool:
-    try:
-        return os.stat(path).st_uid == proc.uids().real
-    except (OSError, psutil.Error):
-        return False
+def _ends_in_torch(threads: list[dict[str, Any]] | None) -> bool:
+    """The main thread's innermost Python frame is torch's own (a call into C++ that has not returned)."""
+    frames = _main(threads)
+    return bool(frames) and "/torch/" in str(frames[0][0])
 
 
 def _main(threads: list[dict[str, Any]] | None) -> list[Any]:

@@ -382,8 +382,10 @@ def _loop(
             if next_tick < now:  # a slow sample: skip the missed ticks rather than burst
                 next_tick = now + config.interval_s - (now - started) % config.interval_s
             time.sleep(max(0.0, next_tick - time.monotonic()))
-    except (KeyboardInterrupt, _Stop):
+    except KeyboardInterrupt:
         return "interrupted"
+    except _Stop:
+        return "terminated"
 
 
 def _accumulate(result: WatchResult, records: list[dict[str, Any]]) -> None:

@@ -4,7 +4,8 @@ Returning, raising, `sys.exit` and Ctrl-C reach the `finally` of `ciuic-doctor w
 every `finally` and atexit handler, and are covered here:
 
 - `os._exit(code)` (scripts that end that way to dodge slow teardown; multiprocessing children): patched
-  to call `on_end("exited", code)` first.
+  to call `on_end("exited", code)` first; `os.exec*()` (the process becomes another program): patched
+  to call `on_end("exec", 0)` first.
 - SIGTERM (torchrun stopping the other ranks when one fails, `kill`, a scheduler's preemption). A Python
   signal handler alone would run only when the main thread comes back to the interpreter, so a rank
   blocked in a collective would no longer die of SIGTERM at all. Instead the C-level handler's wakeup fd
@@ -73,6 +74,19 @@ def install(on_end: Callable[[str, int], None]) -> Callable[[], None]:
 
     os._exit = _exit
     undo.append(lambda: setattr(os, "_exit", original_exit))
+    for name in ("execv", "execve"):  # every os.exec*() ends in one of these two
+        original = getattr(os, name)
+
+        def replace(*args: object, _original: Callable[..., None] = original) -> None:
+            end_once("exec", 0)  # the process becomes another program: no finally, no atexit runs
+            try:
+                _original(*args)
+            except BaseException:
+                ended.clear()  # it did not happen: the end is still to be recorded
+                raise
+
+        setattr(os, name, replace)
+        undo.append(lambda name=name, original=original: setattr(os, name, original))
     main = threading.current_thread() is threading.main_thread()
     if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         undo.append(_watch_sigterm(end_once, original_exit))
@@ -106,7 +120,8 @@ def _watch_sigterm(
             except OSError:
                 return
             if not data or stop.is_set():
-                os.close(read_fd)
+                with contextlib.suppress(OSError):  # a script that closed every inherited fd closed it
+                    os.close(read_fd)
                 return
             for signum in data:
                 for listener in list(_LISTENERS.get(signum, ())):
@@ -138,6 +153,7 @@ def _watch_sigterm(
             signal.set_wakeup_fd(-1)
         with contextlib.suppress(OSError):
             os.write(write_fd, b"\0")  # wakes the helper, which sees `stop` and ends
-        os.close(write_fd)
+        with contextlib.suppress(OSError):  # the script may have closed it (os.closerange)
+            os.close(write_fd)
 
     return remove

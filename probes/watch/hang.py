@@ -142,7 +142,9 @@ class HangWatchdog:
 
     # ---- installing -----------------------------------------------------------------------------
     def start(self) -> None:
-        (self.run.path / "hang.fr").mkdir(exist_ok=True)
+        from ciuic_doctor import safe_io
+
+        safe_io.make_dir(self.run.path, "hang.fr")
         self._write_armed()
         self._install_fatal()
         self._install_error_hook()
@@ -215,7 +217,14 @@ class HangWatchdog:
     def _install_fatal(self) -> None:
         if faulthandler.is_enabled():  # the script's own faulthandler stays
             return
-        fatal = open(self.run.path / f"hang.rank{self.rank}.fatal.txt", "w")  # noqa: SIM115 - kept open
+        from ciuic_doctor import safe_io
+
+        path = self.run.path / f"hang.rank{self.rank}.fatal.txt"
+        try:  # never through a symlink or hard link planted under its name (safe_io)
+            fatal = os.fdopen(safe_io.open_truncated(path), "w")
+        except OSError as exc:
+            print(f"ciuic-doctor watch: rank {self.rank}: no fatal-signal stacks ({exc})", file=sys.stderr)
+            return
         faulthandler.enable(file=fatal, all_threads=True)
         self._faulthandler_ours = True
 
@@ -481,19 +490,22 @@ class HangWatchdog:
             return None, None
         from torch._C._distributed_c10d import _dump_fr_trace
 
+        from ciuic_doctor import safe_io
+
         raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
-        (self.run.path / "hang.fr").mkdir(exist_ok=True)
+        safe_io.make_dir(self.run.path, "hang.fr")
         name = f"hang.fr/rank{self.rank}"
-        target = self.run.path / name
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_bytes(raw)
-        os.replace(tmp, target)
-        return name, pickle.loads(raw).get("pg_status")
+        self.run.write_bytes(name, raw)  # O_EXCL temp file + rename, no symlink followed on the way
+        return name, pickle.loads(raw).get("pg_status")  # torch's own bytes, in this process
 
     def _mark_resumed(self) -> None:
+        from ciuic_doctor import safe_io
+
         path = self.run.path / f"hang.rank{self.rank}.json"
         with contextlib.suppress(OSError, ValueError), self._lock:
-            record = json.loads(path.read_text())
+            record = json.loads(safe_io.read_bytes(path, max_bytes=safe_io.MAX_JSON_BYTES))
+            if not isinstance(record, dict):
+                return
             if record.get("reason") == "no-progress":
                 record["resumed_t"] = time.time()
                 self.run.write_json(path.name, record)

@@ -59,7 +59,9 @@ def install(path: Path) -> Callable[[], None]:
     `dist.all_reduce` or `from torch.distributed import all_reduce` gets the wrapper); returns the undo."""
     import torch.distributed as dist
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    from ciuic_doctor.safe_io import open_truncated
+
+    fd = open_truncated(path)  # never through a symlink or hard link planted under its name
     count = [0]
     sites: dict[tuple[Any, int], str] = {}  # (code, line) -> the record's constant part, as JSON
     previous: dict[tuple[Any, int], str] = {}  # (code, line) -> its sizes last time

@@ -83,13 +83,17 @@ def process_state(pid: int, start_ticks: int | None = None) -> str:
 def peer_states(run: RunDir, rank: int, host: str) -> list[dict[str, Any]]:
     """The other armed ranks on this host, as the kernel sees them now; a stopped one gets py-spy's stack
     (it cannot dump its own)."""
+    from ciuic_doctor import safe_io
     from ciuic_doctor.hang_files import py_spy_stacks
+    from ciuic_doctor.hang_shapes import clean_armed
 
     peers = []
     for path in sorted(run.path.glob("hang.rank*.armed.json")):
         try:
-            armed = json.loads(path.read_text())
-        except (OSError, ValueError):
+            armed, _ = clean_armed(json.loads(safe_io.read_bytes(path, max_bytes=safe_io.MAX_JSON_BYTES)))
+        except (OSError, ValueError, RecursionError):
+            continue
+        if armed is None or armed["rank"] is None or armed["pid"] is None:
             continue
         if armed.get("rank") == rank or armed.get("host") != host:
             continue

@@ -79,11 +79,23 @@ def _check_path(path: Path) -> None:
     # A compiled program (an ELF binary such as /bin/ls) has NUL bytes in its first 512; a shell script
     # names its interpreter on a #! line. Either runs in its own process, where no hook of ours can be.
     first_line = head.split(b"\n", 1)[0]
-    if b"\0" in head or (first_line.startswith(b"#!") and b"python" not in first_line):
+    if b"\0" in head or (first_line.startswith(b"#!") and b"python" not in first_line) or not _compiles(path):
         raise UserError(
             f"{path}: not a Python script; watch runs Python training scripts in its own interpreter "
             "(for another program, watch the Python script it starts)"
         )
+
+
+def _compiles(path: Path) -> bool:
+    """A file without a Python suffix or #! line (a shell script) is Python only when Python can compile
+    it: `echo hi` in script.sh gave a SyntaxError traceback, not the one line the README promises."""
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read(16 * 2**20)
+        compile(source, str(path), "exec")
+    except (SyntaxError, ValueError, OSError):
+        return False
+    return True
 
 
 # ---- running a user's script the way `python script.py` would ------------------------------------
@@ -114,8 +126,12 @@ def run_script(argv: list[str]) -> int:
             runner()
         except SystemExit as exc:
             return exit_code(exc.code)
-        except KeyboardInterrupt:
-            traceback.print_exc()
+        except KeyboardInterrupt as exc:
+            # one line, not Python's traceback (README: Ctrl-C is 130 and keeps every record); where the
+            # script was is still said: its innermost frame
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+            print(f"ciuic-doctor watch: interrupted (Ctrl-C){where}; every record is kept", file=sys.stderr)
             return 130
         except BaseException:
             traceback.print_exc()

@@ -32,17 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ciuic_doctor.analysis._hang_frames import collective_in, frame_text, main_frames, user_frame
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.hang_files import HangFiles, load
 from ciuic_doctor.store import RunDir
 
 PROBE = "hang"
 STREAMS = ("steps",)  # run_all runs this on watched runs; the dumps themselves are not streams
-_LIBRARY = (
-    "/torch/", "/site-packages/", "/dist-packages/", "/ciuic_doctor/", "/probes/watch", "/lib/python3",
-    "<frozen",
-)  # fmt: skip
-_LAUNCHERS = ("ciuic-doctor", "torchrun", "__main__.py")  # console scripts and `python -m`: never the culprit
 _GONE = {"gone", "exited"}
 _PEER_LOST = re.compile(r"(closed|reset) by peer|Connection refused|Broken pipe", re.IGNORECASE)
 _KEEP_NEXT_TIME = (
@@ -93,66 +89,10 @@ class Position:
     last_collective: str | None = None  # its last Python collective (watch's record), if nobody saw it
 
 
-def user_frame(frames: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The innermost frame in the user's code (frames are innermost first); never one of watch's own, nor
-    a console script's (`bin/ciuic-doctor`, `bin/torchrun`: the frame that runs everything below it), nor
-    a C/C++ frame."""
-    for frame in frames:
-        name = str(frame.get("file") or frame.get("filename") or "")
-        if (
-            not frame.get("native")
-            and not any(part in name for part in _LIBRARY)
-            and name.rsplit("/", 1)[-1] not in _LAUNCHERS
-        ):
-            return frame
-    return None
-
-
 def run_status(meta: dict[str, Any]) -> str | None:
     """How the watched run ended (meta.json probes.watch.status: finished, failed, killed ...), if known."""
     watch = (meta.get("probes") or {}).get("watch") if isinstance(meta.get("probes"), dict) else None
     return watch.get("status") if isinstance(watch, dict) and isinstance(watch.get("status"), str) else None
-
-
-def _where(frame: dict[str, Any] | None) -> str | None:
-    if frame is None:
-        return None
-    function = frame.get("function") or frame.get("name")
-    return f"{function} at {frame.get('file') or frame.get('filename')}:{frame.get('line')}"
-
-
-def _main_frames(threads: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    for thread in threads or []:
-        if thread.get("main"):
-            return thread.get("frames", [])
-    return (threads or [{}])[0].get("frames", []) if threads else []
-
-
-# C++ frames (py-spy --native) that wait for a collective: DDP's reducer waits for its gradient buckets'
-# all_reduce at the end of backward; a process group's own wait. (substring of the function, its op)
-_NATIVE_WAITS = (
-    ("c10d::Reducer::", "all_reduce"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
-    ("reduce_scatter", "reduce_scatter"), ("alltoall", "all_to_all"), ("broadcast", "broadcast"),
-    ("barrier", "barrier"),
-)  # fmt: skip
-
-
-def _collective_in(frames: list[dict[str, Any]]) -> str | None:
-    """The c10d function a stack is inside (all_reduce, barrier, ...), or None; in C++ frames too
-    (DDP's all_reduce inside backward is seen only there)."""
-    for frame in frames:
-        if str(frame.get("file", "")).endswith("distributed_c10d.py"):
-            return str(frame.get("function"))
-    for frame in frames:
-        function = str(frame.get("function") or "")
-        if frame.get("native") and (
-            "c10d::" in function or "gloo::" in function or "nccl" in function.lower()
-        ):
-            lowered = function.lower()
-            for part, op in _NATIVE_WAITS:
-                if part.lower() in lowered:
-                    return op
-    return None
 
 
 def _op(entry: dict[str, Any]) -> str:
@@ -175,7 +115,7 @@ def _fr_position(
     for e in collectives:
         if e not in pending:
             pos.history.append(
-                (_op(e), _where(user_frame(e.get("frames", []))) or "?", str(e.get("input_sizes")))
+                (_op(e), frame_text(user_frame(e.get("frames", []))) or "?", str(e.get("input_sizes")))
             )
     pos.in_collective = bool(pending)
     last = pending[0] if pending else (collectives[-1] if collectives else None)
@@ -183,7 +123,7 @@ def _fr_position(
         pos.seq = last["collective_seq_id"] if pending else last["collective_seq_id"] + 1
         if pending:
             pos.op, pos.sizes, pos.dtypes = _op(last), last.get("input_sizes"), last.get("input_dtypes")
-            pos.site = _where(user_frame(last.get("frames", [])))
+            pos.site = frame_text(user_frame(last.get("frames", [])))
             name, desc = [*list(last.get("process_group") or ["?", "?"]), "?"][:2]
             pos.pg = f"{name}:{desc}"
 
@@ -221,7 +161,7 @@ def positions(files: HangFiles) -> dict[int, Position]:
                 _fr_position(pos, files.fr_entries[rank], dump.get("pg_status") or {}, failed=failed)
         elif rank in files.fatal:
             pos.source, pos.state, threads = "faulthandler", "aborted", files.fatal[rank]
-            _last_position(pos, files.last.get(rank), _main_frames(threads))
+            _last_position(pos, files.last.get(rank), main_frames(threads))
         elif rank in files.py_spy and files.py_spy[rank].get("threads"):
             seen = files.py_spy[rank]
             pos.source, pos.state, threads = "py-spy", seen.get("state"), seen["threads"]
@@ -235,11 +175,11 @@ def positions(files: HangFiles) -> dict[int, Position]:
                 pos.source, threads = "py-spy", peer["threads"]
         pos.last_step = (files.last_steps.get(rank) or {}).get("step")
         if (last := files.last.get(rank)) and pos.source == "none":
-            pos.last_collective = f"{last.get('op')} {last.get('input_sizes')} from " + str(_where(last))
-        frames = _main_frames(threads)
-        pos.frame = _where(user_frame(frames))
+            pos.last_collective = f"{last.get('op')} {last.get('input_sizes')} from " + str(frame_text(last))
+        frames = main_frames(threads)
+        pos.frame = frame_text(user_frame(frames))
         if pos.in_collective is None and frames:
-            op = _collective_in(frames)
+            op = collective_in(frames)
             pos.in_collective = op is not None
             if op:
                 pos.op, pos.site = pos.op or op, pos.frame

@@ -33,16 +33,23 @@ import os
 import select
 import signal
 import socket
-import statistics
 import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ciuic_doctor.probes.watch import children as watch_children
+from ciuic_doctor.probes.watch.hang_config import (  # noqa: F401 - part of this module's API
+    DEFAULT_PG_TIMEOUT_S,
+    FR_BUFFER_DEFAULT,
+    PEER_SETTLE_S,
+    POLL_S,
+    HangConfig,
+    arm_flight_recorder,
+    default_hang_after,
+)
 from ciuic_doctor.probes.watch.hang_poll import (
     Look,
     _pg_timeout_s,
@@ -54,39 +61,6 @@ from ciuic_doctor.probes.watch.hang_poll import (
 )
 from ciuic_doctor.probes.watch.hang_where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.store import RunDir
-
-FR_BUFFER_DEFAULT = 2000  # entries per rank; torch 2.13 defaults to 2000 too (measured), older ones to 0
-HANG_STEP_MULTIPLE = 20  # a stall is this many median steps without progress ...
-HANG_FLOOR_S = 30.0  # ... but never less: a checkpoint save or an eval pass is not a hang
-PG_TIMEOUT_FRACTION = 0.8  # ... and never above the process-group timeout: dump while every rank still waits
-DEFAULT_PG_TIMEOUT_S = 1800.0  # torch.distributed.constants.default_pg_timeout (gloo; NCCL's is 600 s)
-POLL_S = 0.5
-PEER_SETTLE_S = 0.5
-
-
-@dataclass(kw_only=True)
-class HangConfig:
-    hang_after_s: float | None = None  # None: HANG_STEP_MULTIPLE x the run's median step, see above
-    fr_buffer: int = FR_BUFFER_DEFAULT
-    poll_s: float = POLL_S
-
-
-def arm_flight_recorder(buffer: int = FR_BUFFER_DEFAULT) -> None:
-    """Turn Flight Recorder on for the process groups this process creates from now on.
-
-    torch reads TORCH_FR_BUFFER_SIZE when a process group is created, so this must run before the
-    script's init_process_group; a value the user exported already wins.
-    """
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(buffer))
-
-
-def default_hang_after(*, step_times_s: list[float], pg_timeout_s: float | None) -> float:
-    """Seconds without progress that count as a hang: 20 median steps, at least 30 s, at most 0.8 x the
-    process-group timeout (the cap wins over the floor: with a 10 s timeout, a hang is 8 s)."""
-    cap = PG_TIMEOUT_FRACTION * (pg_timeout_s or DEFAULT_PG_TIMEOUT_S)
-    if not step_times_s:
-        return cap
-    return min(cap, max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * statistics.median(step_times_s)))
 
 
 def arm(session: Any, config: HangConfig | None = None) -> Callable[..., None]:

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor import columnar_schema
 from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
-from ciuic_doctor.store import RunDir, StreamRead, _open_regular
+from ciuic_doctor.store import RunDir, StreamRead
+from ciuic_doctor.stream_read import _open_regular
 
 if TYPE_CHECKING:
     import pandas

@@ -18,6 +18,7 @@ failed (exit_code), interrupted (Ctrl-C, 130), exited (os._exit) or killed (SIGT
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -93,6 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
     )
+    parser.add_argument(  # issue 21
+        "--set",
+        dest="set_items",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="run the script with this setting changed (job-spec key, TOML value; repeatable): "
+        "dataloader.num_workers / prefetch_factor / pin_memory / persistent_workers, "
+        "precision.init_scale / growth_interval, optim.clip_max_norm, distributed.timeout_s, "
+        "distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to ends it with exit 2",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -108,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     check_target(argv)
+    from ciuic_doctor.probes.watch import overrides as watch_overrides  # issue 21; no torch here
+
+    settings = watch_overrides.parse(args.set_items)  # unknown keys, bad values: exit 2 before running
 
     import torch
 
@@ -131,7 +146,11 @@ def run(args: argparse.Namespace) -> int:
         snapshot_on_leak=args.snapshot_on_leak,
         agree_timeout_s=args.agree_timeout,
         follow_children=not args.no_follow,
-        probe_fields={"argv": argv},
+        probe_fields={
+            "argv": argv,
+            "cwd": os.getcwd(),
+            **({"set": args.set_items} if args.set_items else {}),
+        },
     )
     started = time.time()
 
@@ -149,13 +168,19 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.watch.hang import HangConfig, arm  # issue 16: before the script's process group
 
     disarm = arm(session, HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer))  # issue 16
+    forced = watch_overrides.install(settings)  # issue 21: outside watch's own hooks, so they see it
     try:
         code = run_script(argv)
+        if code == 0 and not forced.refused and (line := forced.refusal("known when it ended")):
+            print(line, file=sys.stderr, flush=True)  # e.g. --steps ended it before the first-step check
+            forced.refused, code = line, watch_overrides.REFUSED_EXIT
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
+        status = "refused" if forced.refused else status  # issue 21: a --set key it gives no hold to
     except BaseException:  # our own failure around the script: still say how it ended
         status = "failed"
         raise
     finally:
+        forced.close()  # issue 21: before watch's own hooks go
         undo_exit()
         disarm(code)  # issue 16
         session.close()

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
+from ciuic_doctor.findings import Finding, Recommendation, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec, dump_spec, with_updates
 from ciuic_doctor.recommend import Plan, is_change, setting_kind
 from ciuic_doctor.report.html import show_value
@@ -53,7 +53,38 @@ def applied(plan: Plan) -> Plan:
     return Plan(recommendations=[r for r in plan.recommendations if r.evidence.get("measured") is not False])
 
 
-def env_text(plan: Plan, *, job: str, run: str) -> str:
+def _status(rec: Recommendation) -> str:
+    found = rec.evidence.get("verification") or {}
+    return f"{found.get('status', 'not verified')}: {found.get('reason', '')}".rstrip(": ")
+
+
+def _left_out_note(left_out: Sequence[Recommendation], kinds: tuple[str, ...]) -> list[str]:
+    """Issue 21: the changes the file leaves out because nothing showed they help on this job."""
+    names = [r.setting for r in left_out if setting_kind(r.setting) in kinds]
+    if not names:
+        return []
+    return _comment(
+        f"Left out, not shown to help on this job ({len(names)}): {', '.join(names)}. Only changes that "
+        "`ciuic-doctor verify` found to help, or arithmetic / documented facts, are applied here; "
+        "`--include-unverified` adds the rest as comments."
+    )
+
+
+def _commented_env(rec: Recommendation) -> list[str]:
+    out = _comment(f"NOT VERIFIED ({_status(rec)}). {rec.setting} = {rec.value}: {rec.why}")
+    if rec.value is not None and _ENV_NAME.match(rec.setting):
+        out.append(_one_line(f"# export {rec.setting}={shlex.quote(str(rec.value))}"))
+    return out
+
+
+def env_text(
+    plan: Plan,
+    *,
+    job: str,
+    run: str,
+    left_out: Sequence[Recommendation] = (),
+    commented: Sequence[Recommendation] = (),
+) -> str:
     lines = [
         *_comment(f"ciuic-doctor: recommended environment for {job} (run {run})."),
         "# Source it before launching: `source recommended.env && torchrun ...`. Only settings with a",
@@ -75,6 +106,11 @@ def env_text(plan: Plan, *, job: str, run: str) -> str:
             lines.append(f"unset {rec.setting}")
         else:
             lines.append(f"export {rec.setting}={shlex.quote(str(rec.value))}")
+    if note := _left_out_note(left_out, ("env",)):
+        lines += ["", *note]
+    for rec in commented:
+        if setting_kind(rec.setting) == "env":
+            lines += ["", *_commented_env(rec)]
     return "\n".join(lines) + "\n"
 
 
@@ -198,11 +234,23 @@ def summary_md(
     return "\n".join(lines) + "\n"
 
 
-def spec_toml(spec: JobSpec, plan: Plan, *, run: str) -> str:
+def spec_toml(
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    run: str,
+    left_out: Sequence[Recommendation] = (),
+    commented: Sequence[Recommendation] = (),
+) -> str:
+    extra = _left_out_note(left_out, ("spec", "env"))
+    for rec in commented:  # issue 21: --include-unverified
+        where = "[distributed.env] " if setting_kind(rec.setting) == "env" else ""
+        extra += _comment(f"NOT VERIFIED ({_status(rec)}): {where}{rec.setting} = {show_value(rec.value)}")
     header = "\n".join(
         [
             *_comment(f"ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied."),
             "# Use it with `ciuic-doctor job --spec recommended.toml`; see recommendations.json for the why.",
+            *extra,
             "",
             "",
         ]

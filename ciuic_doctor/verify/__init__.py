@@ -40,7 +40,7 @@ class Options:
     budget_s: float = DEFAULT_BUDGET_S
     steps: int = DEFAULT_STEPS
     max_rounds: int = 12
-    tries: dict[str, Any] = field(default_factory=dict)  # --try KEY=VALUE
+    tries: list[tuple[str, Any]] = field(default_factory=list)  # --try KEY=VALUE, in order
     only_tries: bool = False  # --try given: the recommendations are left out unless --with-recommendations
 
 
@@ -80,6 +80,7 @@ def job_of(run: RunDir, meta: dict[str, Any], steps: int) -> tuple[JobCommand, J
         base = RunDir(root).write_text("base.toml", dump_spec(spec))
         nproc = int(job_run.get("world_size") or spec.job.procs_per_node)
         argv = ["job", "--spec", str(base.resolve()), "--steps", str(total), "--nproc", str(nproc)]
+        argv += ["--set", "checkpoint.every_steps=0"]  # a save in a short run is noise on both sides
         for item in _injections(job_run):
             argv += ["--inject", item]
         backend = str(job_run.get("backend") or ("nccl" if cuda else "gloo"))
@@ -132,6 +133,7 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
     """Verify RUN's changes on its job; writes RUN/verification.json and returns it."""
     meta = run.read_meta()
     command, kind = job_of(run, meta, options.steps)
+    _check_tries(kind, options.tries, meta)  # a bad --try is a usage error, before anything runs
     recs = [] if options.only_tries else _recommendations(run)
     found = candidates(recs, options.tries, kind)
     _fill_current(found, meta)
@@ -151,7 +153,8 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
     if tried:
         schedule = Schedule(budget_s=options.budget_s, max_rounds=options.max_rounds)
         results, dropped = interleave(command, found, root, schedule, say)
-    from ciuic_doctor.verify.judge import judge, run_figures
+    from ciuic_doctor.verify.figures import run_figures
+    from ciuic_doctor.verify.judge import judge
 
     figures = {r.path: run_figures(r.path) for r in results if r.ok}
     judged = [judge(c, results, dropped.get(c.id), figures) for c in found]
@@ -171,6 +174,25 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
     }
     run.write_json(VERIFICATION_FILE, data)
     return data
+
+
+def _check_tries(kind: JobKind, tries: list[tuple[str, Any]], meta: dict[str, Any]) -> None:
+    from ciuic_doctor.verify.plan import _toml
+
+    if not tries:
+        return
+    items = [f"{key}={_toml(value)}" for key, value in tries]
+    if kind.kind == "watch":
+        from ciuic_doctor.probes.watch.overrides import parse
+
+        parse(items, flag="--try")
+        return
+    from ciuic_doctor.jobs.spec import with_updates
+    from ciuic_doctor.report import resolve_spec
+
+    spec = resolve_spec(meta, None).spec
+    for key, value in tries:
+        with_updates(spec, {key: value}, origin=f"--try {key}")
 
 
 def _fill_current(found: list[Any], meta: dict[str, Any]) -> None:

@@ -112,7 +112,9 @@ def why_not(setting: str, value: Any, job: JobKind) -> str:
     return ""
 
 
-def candidates(recommendations: list[dict[str, Any]], tries: dict[str, Any], job: JobKind) -> list[Candidate]:
+def candidates(
+    recommendations: list[dict[str, Any]], tries: list[tuple[str, Any]], job: JobKind
+) -> list[Candidate]:
     """A candidate per recommended change (each alone), then one per `--try` setting."""
     out: list[Candidate] = []
     seen: set[str] = set()
@@ -147,7 +149,7 @@ def candidates(recommendations: list[dict[str, Any]], tries: dict[str, Any], job
                 unverifiable=reason,
             )
         )
-    for key, value in tries.items():
+    for key, value in tries:
         setting = key.removeprefix("distributed.env.")
         out.append(
             Candidate(

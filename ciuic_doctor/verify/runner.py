@@ -197,7 +197,7 @@ def interleave(
 
 def _figures(out: Path) -> str:
     """The run's mean step time and time before backward, for the progress line."""
-    from ciuic_doctor.verify.judge import run_figures
+    from ciuic_doctor.verify.figures import run_figures
 
     fig = run_figures(out)
     parts = []

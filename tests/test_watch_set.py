@@ -48,11 +48,12 @@ def test_set_applies_every_key_family_to_an_unchanged_script(tmp_path):
     assert {r["loss_scale"] for r in _steps(run)[:1]} == {1024.0}  # the scaler started where we set it
     forced = observed["overrides"]
     assert forced["dataloader.num_workers"] == {
-        "script": 1,
+        "script": 0,
         "in_force": 2,
         "through": "DataLoader",
         "applied": 1,
     }
+    assert forced["dataloader.prefetch_factor"]["script"] is None  # the script's loader has no workers
     assert forced["precision.init_scale"]["script"] == 256.0
     assert forced["precision.growth_interval"]["script"] == 50
     assert forced["optim.clip_max_norm"]["script"] == 1.0
@@ -64,7 +65,7 @@ def test_num_workers_zero_drops_what_needs_workers(tmp_path):
     """DataLoader refuses prefetch_factor / persistent_workers without workers: the override drops them."""
     run = tmp_path / "run"
     done = run_cli("watch", "--steps", "3", "--out", str(run), "--set", "dataloader.num_workers=0", "--",
-                   str(SCRIPT), timeout=TIMEOUT_S)  # fmt: skip
+                   str(SCRIPT), "--workers", "1", timeout=TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr
     loader = _meta(run)["observed"]["dataloader"]
     assert (loader["num_workers"], loader["prefetch_factor"], loader["persistent_workers"]) == (

@@ -78,12 +78,12 @@ def options_from(args: argparse.Namespace) -> object:
     from ciuic_doctor.probes.watch.overrides import parse_value
     from ciuic_doctor.verify import Options
 
-    tries: dict[str, object] = {}
+    tries: list[tuple[str, object]] = []
     for item in getattr(args, "tries", []) or []:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"--try {item!r}: expected KEY=VALUE, e.g. --try dataloader.num_workers=4")
-        tries[key.strip()] = parse_value(text.strip())
+        tries.append((key.strip(), parse_value(text.strip())))
     return Options(
         budget_s=args.budget,
         steps=args.verify_steps,

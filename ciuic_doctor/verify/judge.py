@@ -73,6 +73,7 @@ def _skipped(pairs: list[tuple[RunFigures, RunFigures]]) -> Change:
     k_b, n_b = sum(b.skipped for _, b in pairs), sum(b.steps for _, b in pairs)
     change = Change(check="verify", metric="skipped steps", scope="skipped", unit="steps", n_a=n_a, n_b=n_b)
     change.a, change.b = float(k_a), float(k_b)
+    change.note = f"{k_a} of {n_a} → {k_b} of {n_b}"  # the counts, whatever the test says
     if not (n_a and n_b):
         change.note = "no steps recorded"
         return change

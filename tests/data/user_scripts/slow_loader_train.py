@@ -1,14 +1,17 @@
 """A training script whose input pipeline is the bottleneck, for `watch --set` and `verify` (issue 21).
 
 Each sample takes SAMPLE_S to load (a sleep: it costs no CPU, so a loaded machine does not blur it) and
-each step "computes" for COMPUTE_S after backward (a sleep too). With one worker a batch (8 samples,
-~32 ms) is ready ~12 ms after the step before it; with two workers at once; with none the step waits
-the whole 32 ms. So `num_workers` 0 hurts the time before backward, 2 helps, and 1 is the script's own.
+each step "computes" for COMPUTE_S after backward (a sleep too). By default the script loads in the
+main process (num_workers 0): every step waits the whole ~200 ms of its batch before forward. Four
+workers make a batch every ~50 ms, ready before the step asks for it: `num_workers=4` helps the time
+before backward. The sleeps are large enough that a machine at load 15 (every Python step ~50 ms
+slower) keeps them apart.
 
-    slow_loader_train.py [--fp16] [--pg] [--no-loader] [--no-clip]
+    slow_loader_train.py [--workers N] [--fp16] [--pg] [--no-loader] [--no-clip]
 
---fp16: autocast + an enabled GradScaler(init_scale=256, growth_interval=50); --pg: a one-rank gloo
-process group (timeout 1800 s); --no-loader: plain tensors, no DataLoader; --no-clip: no clip_grad_norm_.
+--workers N: N loader workers (prefetch 2, persistent, fork); --fp16: autocast + an enabled
+GradScaler(init_scale=256, growth_interval=50); --pg: a one-rank gloo process group (timeout 1800 s);
+--no-loader: plain tensors, no DataLoader; --no-clip: no clip_grad_norm_.
 """
 
 import datetime
@@ -20,8 +23,8 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-SAMPLE_S = 0.004
-COMPUTE_S = 0.020
+SAMPLE_S = 0.025
+COMPUTE_S = 0.100
 
 
 class SlowData(Dataset):
@@ -40,21 +43,19 @@ def main() -> None:
         import torch.distributed as dist
 
         store = os.path.join(tempfile.mkdtemp(), "pg")
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=0,
-            world_size=1,
-            timeout=datetime.timedelta(seconds=1800),
-        )
+        timeout = datetime.timedelta(seconds=1800)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    workers = int(sys.argv[sys.argv.index("--workers") + 1]) if "--workers" in sys.argv else 0
     if "--no-loader" in sys.argv:
         batches = (torch.randn(8, 16) for _ in range(512))
-    else:
+    elif workers:
         batches = DataLoader(
-            SlowData(), batch_size=8, num_workers=1, prefetch_factor=2, persistent_workers=True,
+            SlowData(), batch_size=8, num_workers=workers, prefetch_factor=2, persistent_workers=True,
             multiprocessing_context="fork",
         )  # fmt: skip
+    else:
+        batches = DataLoader(SlowData(), batch_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     fp16 = "--fp16" in sys.argv
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=50, enabled=fp16)

@@ -123,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.watch import overrides as watch_overrides  # issue 21; no torch here
 
     settings = watch_overrides.parse(args.set_items)  # unknown keys, bad values: exit 2 before running
+    args.start_cwd = os.getcwd()  # the script may chdir; verify starts it where the user did
 
     import torch
 
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         follow_children=not args.no_follow,
         probe_fields={
             "argv": argv,
-            "cwd": os.getcwd(),
+            "cwd": args.start_cwd,
             **({"set": args.set_items} if args.set_items else {}),
         },
     )
@@ -209,6 +210,9 @@ def _report(
     if children:
         steps_all = sum(1 for r in session.run.read("steps").records if (r.get("t") or 0) >= since)
     fields = {"status": status, "exit_code": code, "steps": session.steps_written, "segment": session.segment}
+    fields["cwd"] = getattr(args, "start_cwd", None) or os.getcwd()  # issue 21: verify re-runs it from here
+    if args.set_items:
+        fields["set"] = list(args.set_items)
     if children:
         fields.update(children=children, steps_all_processes=steps_all)
     if session.checksum_note:

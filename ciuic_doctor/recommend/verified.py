@@ -22,6 +22,8 @@ HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE = "helps", "no measurable effect", "hurt
 STATUSES = (HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE)
 NOT_VERIFIED = "not verified"  # no verification.json, or this change was not among the candidates
 VERIFICATION_FILE = "verification.json"
+# num_workers = 0 takes these with it (DataLoader refuses them without workers): they share its status.
+WORKER_KEYS = ["dataloader.prefetch_factor", "dataloader.persistent_workers"]
 # Changes that are arithmetic on the job's own settings or documented behaviour, not a measured guess:
 # they go into the files without a trial (their evidence says which).
 FACT_SETTINGS = {
@@ -49,7 +51,11 @@ def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
     by_key: dict[str, dict[str, Any]] = {}
     for cand in (verification or {}).get("candidates") or []:
         if isinstance(cand, dict) and cand.get("source") == "recommendation":
-            for key in cand.get("settings") or {}:
+            settings = cand.get("settings") if isinstance(cand.get("settings"), dict) else {}
+            covers = cand.get("covers") or (
+                WORKER_KEYS if settings.get("dataloader.num_workers") == 0 else []
+            )
+            for key in [*settings, *covers]:
                 by_key.setdefault(key, cand)
     for rec in out.recommendations:
         if not is_change(rec):
@@ -66,6 +72,8 @@ def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
             for k in ("status", "reason", "target_metric", "ratio", "ci_low", "ci_high", "rounds")
         }
         status = cand.get("status")
+        if spec_key(rec.setting) not in (cand.get("settings") or {}):
+            rec.evidence["verification"]["follows"] = cand.get("label")  # a consequence of that change
         if status in (NO_EFFECT, HURTS):
             tried = rec.value
             rec.evidence["verification"]["tried"] = tried

@@ -213,10 +213,10 @@ def lines(data: dict[str, Any]) -> list[str]:
 
     out = []
     for c in data.get("candidates") or []:
-        shown = ""
-        if c.get("ratio") is not None and c.get("ci_low") is not None:
-            shown = (
-                f" {c['target_metric']} {percent(c['ratio'])} (95 % CI {interval(c['ci_low'], c['ci_high'])})"
-            )
-        out.append(f"  {c['status']:<21s} {c['label']}{shown}: {c.get('reason', '')}")
+        reason = str(c.get("reason", ""))
+        if c.get("ratio") is not None and c.get("ci_low") is not None and c["status"] == "hurts":
+            aimed = f"{c['target_metric']} {percent(c['ratio'])}"
+            aimed += f" (95 % CI {interval(c['ci_low'], c['ci_high'])})"
+            reason = reason if aimed in reason else f"{reason} [{aimed}]"
+        out.append(f"  {c['status']:<21s} {c['label']}: {reason}")
     return out

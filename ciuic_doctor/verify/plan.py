@@ -41,6 +41,7 @@ class Candidate:
     target: str = "step_time"  # step_time | pre_backward | skipped
     source: str = "recommendation"  # recommendation | --try
     unverifiable: str = ""  # the reason a short run here cannot judge it ("" = it is tried)
+    covers: list[str] = field(default_factory=list)  # recommendations that follow from this one
 
     @property
     def label(self) -> str:
@@ -134,10 +135,12 @@ def candidates(
         seen.add(key)
         group = {key: value}
         current = {key: rec.get("current")}
+        covers = []
         if key == "dataloader.num_workers" and value == 0:
             # prefetch_factor and persistent_workers need workers: their own recommendations (None /
             # false) are consequences of this one, not changes to judge apart.
-            seen.update({"dataloader.prefetch_factor", "dataloader.persistent_workers"})
+            covers = ["dataloader.prefetch_factor", "dataloader.persistent_workers"]
+            seen.update(covers)
         reason = why_not(setting, value, job)
         section = key.split(".", 1)[0]
         out.append(
@@ -147,6 +150,7 @@ def candidates(
                 current=current,
                 target=TARGETS.get(section, "step_time"),
                 unverifiable=reason,
+                covers=covers,
             )
         )
     for key, value in tries:

@@ -20,7 +20,10 @@ from ciuic_doctor.recommend.core import Plan, is_change, setting_kind
 
 HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE = "helps", "no measurable effect", "hurts", "not verifiable here"
 STATUSES = (HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE)
-NOT_VERIFIED = "not verified"  # no verification.json, or this change was not among the candidates
+NOT_VERIFIED = "not verified"
+WITHIN_NOISE = (
+    "within noise: yours is fine"  # no verification.json, or this change was not among the candidates
+)
 VERIFICATION_FILE = "verification.json"
 # num_workers = 0 takes these with it (DataLoader refuses them without workers): they share its status.
 WORKER_KEYS = ["dataloader.prefetch_factor", "dataloader.persistent_workers"]
@@ -78,8 +81,11 @@ def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
             tried = rec.value
             rec.evidence["verification"]["tried"] = tried
             rec.value = rec.current
-            words = "within noise: yours is fine" if status == NO_EFFECT else "it hurt the job: dropped"
-            rec.why = f"Tried {rec.setting} = {tried} on the job: {words} ({cand.get('reason')}). {rec.why}"
+            reason = str(cand.get("reason") or "")
+            words = "it hurt the job, dropped: " if status == HURTS else ""
+            if status == NO_EFFECT and WITHIN_NOISE not in reason:
+                words = f"{WITHIN_NOISE}: "
+            rec.why = f"Tried {rec.setting} = {tried} on the job: {words}{reason}. {rec.why}"
     return out
 
 

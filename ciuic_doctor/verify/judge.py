@@ -27,7 +27,7 @@ from typing import Any
 
 from ciuic_doctor.compare.change import Change, judge_family
 from ciuic_doctor.compare.stats import count_test, t_interval
-from ciuic_doctor.recommend.verified import HELPS, HURTS, NO_EFFECT, NOT_VERIFIABLE
+from ciuic_doctor.recommend.verified import HELPS, HURTS, NO_EFFECT, NOT_VERIFIABLE, WITHIN_NOISE
 from ciuic_doctor.verify.figures import RunFigures
 from ciuic_doctor.verify.plan import Candidate
 from ciuic_doctor.verify.runner import RunResult
@@ -143,7 +143,7 @@ def judge(
         status, reason = HELPS, f"{target.text()}: significantly better, nothing significantly worse"
     else:
         status = NO_EFFECT
-        reason = f"{target.text()}: within noise, yours is fine"
+        reason = f"{WITHIN_NOISE} ({target.text()})"
     return {
         **out,
         "status": status,

@@ -138,8 +138,13 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
     found = candidates(recs, options.tries, kind)
     _fill_current(found, meta)
     started = time.time()
-    root = run.path / VERIFY_DIR
-    root.mkdir(exist_ok=True)
+    # A folder of its own for each verify: a run directory used twice would continue its steps.
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+    root, n = run.path / VERIFY_DIR / stamp, 1
+    while root.exists():
+        n += 1
+        root = run.path / VERIFY_DIR / f"{stamp}-{n}"
+    root.mkdir(parents=True)
     tried = [c for c in found if not c.unverifiable]
     say(
         f"verify {run.path}: {len(found)} change(s), {len(tried)} to try on the job "

@@ -98,3 +98,26 @@ def test_unknown_keys_and_bad_values_are_refused_before_anything_runs(tmp_path):
     assert "dataloader.num_workers = -1: must be a whole number >= 0" in done.stderr
     assert "Traceback" not in done.stderr
     assert not run.exists()  # nothing ran, nothing recorded
+
+
+def test_checkup_takes_the_same_set(tmp_path):
+    """Embedded job: --set changes the spec every phase and the report use; a bad one is exit 2 before
+    anything runs; a script's checkup refuses a key watch cannot apply, also before anything runs."""
+    run = tmp_path / "run"
+    skip = "comm-bench,loader-sweep,job,memwatch,checkpoint-check"
+    done = run_cli(
+        "checkup", "--skip", skip, "--set", "dataloader.num_workers=0", "--out", str(run), timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _meta(run)["spec"]["dataloader"]["num_workers"] == 0
+    assert "num_workers = 0" in (run / "checkup-spec.toml").read_text()
+    bad = run_cli(
+        "checkup", "--skip", skip, "--set", "dataloader.num_workers=-3", "--out", str(tmp_path / "b")
+    )
+    assert bad.returncode == 2
+    assert "--set" in bad.stderr
+    assert not (tmp_path / "b").exists()
+    script = run_cli("checkup", "--set", "optim.lr=1", "--out", str(tmp_path / "s"), "--", str(SCRIPT))
+    assert script.returncode == 2
+    assert "optim.lr: not a setting watch can apply" in script.stderr
+    assert not (tmp_path / "s").exists()

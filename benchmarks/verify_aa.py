@@ -46,7 +46,7 @@ def main() -> int:
         key = "dataloader.num_workers=2"  # the embedded job's own
     else:
         done = cli("watch", "--steps", "4", "--out", str(run), "--", str(SCRIPT), timeout=900)
-        key = "dataloader.num_workers=1"  # the script's own
+        key = "dataloader.num_workers=0"  # the script's own
     if done.returncode != 0:
         print(done.stdout + done.stderr)
         return 1

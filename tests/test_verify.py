@@ -39,10 +39,10 @@ def test_four_statuses_on_a_script_whose_loader_is_the_bottleneck(watched):
     steps); 0 workers is the script's own value (no measurable effect); a clip threshold is not something
     a short run can judge."""
     done = run_cli(
-        "verify", str(watched), "--budget", "900", "--verify-steps", "6", "--max-rounds", "3",
+        "verify", str(watched), "--budget", "1500", "--verify-steps", "6", "--max-rounds", "3",
         "--try", "dataloader.num_workers=4", "--try", "precision.init_scale=16777216",
         "--try", "dataloader.num_workers=0", "--try", "optim.clip_max_norm=2.0",
-        timeout=1500,
+        timeout=2400,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads((watched / "verification.json").read_text())

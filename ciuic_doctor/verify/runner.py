@@ -2,8 +2,9 @@
 
 A round is one run of A and one of every candidate still being tried, in an order that alternates
 (A B1 B2 ... then ... B2 B1 A), so load that drifts on a shared machine, and whatever the position in a
-round does (a warm page cache), hits both sides alike. Rounds go on while the next one fits the budget
-(its time estimated from the rounds so far), up to --max-rounds. Every run is a run directory of its
+round does (a warm page cache), hits both sides alike. Rounds come in such pairs, so each position is
+held as often by A as by B: a new pair starts while both of its rounds fit the budget (their time
+estimated from the rounds so far), up to --max-rounds. Every run is a run directory of its
 own under RUN/verify/, written by the same command the job ran under (`job` for the embedded job,
 `watch` for a script), with `--steps` warm-up + N steps and the candidate's `--set`.
 
@@ -145,9 +146,10 @@ def interleave(
         if not active:
             break
         elapsed = time.perf_counter() - started
-        if round_times:
+        if round_times and rnd % 2 == 1:  # a new pair of rounds (A first, then A last) must fit whole
             estimate = sum(round_times) / len(round_times) * (len(active) + 1) / (len(tried) + 1)
-            if elapsed + estimate > schedule.budget_s:
+            pair = min(2, schedule.max_rounds - rnd + 1)
+            if elapsed + pair * estimate > schedule.budget_s:
                 say(
                     f"verify: budget {schedule.budget_s:.0f} s: stopping after {rnd - 1} round(s) "
                     f"({elapsed:.0f} s spent; a round takes about {estimate:.0f} s)"

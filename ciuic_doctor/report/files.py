@@ -223,12 +223,16 @@ def summary_md(
     changes = [r for r in plan.recommendations if is_change(r)]
     lines += ["", "**Recommended changes**" if changes else "**Recommended changes:** none"]
     if changes:
-        lines += ["", "| setting | current | recommended | confidence |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| setting | current | recommended | confidence | verified on the job |",
+            "|---|---|---|---|---|",
+        ]
         for r in changes:
             current = show_value(r.current) if r.current is not None else "—"
-            lines.append(
-                f"| `{r.setting}` | `{current}` | `{show_value(r.value, r.setting)}` | {r.confidence} |"
-            )
+            status = (r.evidence.get("verification") or {}).get("status") or "—"  # issue 21
+            shown = show_value(r.value, r.setting)
+            lines.append(f"| `{r.setting}` | `{current}` | `{shown}` | {r.confidence} | {status} |")
     lines += ["", "**Seed tips:** " + " · ".join(f"{t.number} {_TIP_MARK[t.status]}" for t in tips)]
     lines += ["", "Files: report.html, recommended.env, recommended.toml, recommendations.json."]
     return "\n".join(lines) + "\n"

@@ -39,7 +39,7 @@ def test_four_statuses_on_a_script_whose_loader_is_the_bottleneck(watched):
     steps); 0 workers is the script's own value (no measurable effect); a clip threshold is not something
     a short run can judge."""
     done = run_cli(
-        "verify", str(watched), "--budget", "1500", "--verify-steps", "6", "--max-rounds", "3",
+        "verify", str(watched), "--budget", "1500", "--verify-steps", "10", "--max-rounds", "4",
         "--try", "dataloader.num_workers=4", "--try", "precision.init_scale=16777216",
         "--try", "dataloader.num_workers=0", "--try", "optim.clip_max_norm=2.0",
         timeout=2400,
@@ -55,12 +55,12 @@ def test_four_statuses_on_a_script_whose_loader_is_the_bottleneck(watched):
     assert "skipped steps" in hurts["reason"]
     assert status["dataloader.num_workers=0"]["status"] == NO_EFFECT, status["dataloader.num_workers=0"]
     assert status["optim.clip_max_norm=2"]["status"] == NOT_VERIFIABLE
-    assert data["rounds"] == 3
+    assert data["rounds"] == 4  # two pairs: every position in a round held by A as often as by B
     # interleaved: every round has A and each tried change, A first in odd rounds and last in even ones
     sides = [(r["round"], r["side"]) for r in data["runs"]]
     assert sides[:4] == [(1, "A"), (1, "c1"), (1, "c2"), (1, "c3")]
     assert sides[4:8] == [(2, "c3"), (2, "c2"), (2, "c1"), (2, "A")]
-    assert done.stdout.count("verify [round") == 12  # a progress line per run
+    assert done.stdout.count("verify [round") == 16  # a progress line per run
     html = (watched / "report.html").read_text()
     assert "Verified on the job (verify)" in html
 

@@ -20,9 +20,10 @@ FORBIDDEN = {
     "jobs": {"cli", "commands", "checkup", "report", "compare", "recommend", "analysis"},
     "analysis": {"cli", "commands", "checkup", "report", "compare", "recommend", "probes", "jobs"},
     "importers": {"cli", "commands", "checkup", "report", "compare", "recommend", "analysis", "probes"},
-    "compare": {"cli", "commands", "checkup", "report", "probes"},
-    "recommend": {"cli", "commands", "checkup", "report", "probes"},
-    "report": {"cli", "commands", "checkup", "probes"},
+    "compare": {"cli", "commands", "checkup", "report", "probes", "verify"},
+    "recommend": {"cli", "commands", "checkup", "report", "probes", "verify"},
+    "report": {"cli", "commands", "checkup", "probes", "verify"},
+    "verify": {"cli", "commands", "checkup"},  # issue 21: re-runs the job; the report only reads its file
     # the live view (top, export) reads /proc and run directories and judges with analysis' rules
     "live": {"cli", "commands", "checkup", "report", "probes", "jobs"},
     "measures": {

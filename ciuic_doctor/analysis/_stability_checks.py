@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
 MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
+# The first steps from initialisation carry the largest grad norms of a run: nanoGPT, minGPT's chargpt and
+# build-nanogpt got max_norm 1.6 / 2.2 / 3.3 read from their first 20-41 steps (issue 21). max_norm is read
+# from the steady phase only: after the LR warm-up and after the first STEADY_AFTER_STEPS steps.
+STEADY_AFTER_STEPS = 20
 DIVERGENCE_MIN_POINTS = 16  # 8 blocks of 2 points: fewer cannot tell a rise from noise
 
 
@@ -185,10 +189,19 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
         count = int(finite.sum())
         why = "no grad norm in this log" if not count else f"only {count} grad norm values (need > 16)"
         return [_finding("clipping", "not_run", why)]
-    healthy = finite & ~_inside(curve.step, grad_spikes) & _after_warmup(curve, finite)
-    values = (
-        curve.grad_norm[healthy] if healthy.sum() > GRAD_NORM_RULE.min_history else curve.grad_norm[finite]
-    )
+    first = float(np.min(curve.step[finite]))
+    early = curve.step < first + STEADY_AFTER_STEPS
+    healthy = finite & ~_inside(curve.step, grad_spikes) & _after_warmup(curve, finite) & ~early
+    if healthy.sum() <= GRAD_NORM_RULE.min_history:
+        summary = (
+            f"max_norm is read from the steady phase only (after the LR warm-up and the first "
+            f"{STEADY_AFTER_STEPS} steps, where grad norms from initialisation are largest): "
+            f"{int(healthy.sum())} steady steps here, need > {GRAD_NORM_RULE.min_history}"
+        )
+        return [_finding("clipping", "not_run", summary, {"steady_points": int(healthy.sum())})]
+    values = curve.grad_norm[healthy]
+    steady = (int(np.min(curve.step[healthy])), int(np.max(curve.step[healthy])))
+    based = f"from {len(values)} steady steps ({steady[0]}–{steady[1]})"
     p99 = float(np.quantile(values, HEALTHY_QUANTILE))
     median = float(np.median(values))
     computed = _nice_ceil(p99)
@@ -199,6 +212,8 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
         "healthy_median": median,
         "healthy_p99": p99,
         "healthy_points": len(values),
+        "steady_steps": list(steady),  # issue 21: the steps max_norm is read from
+        "based_on": based,
         "grad_norm_spikes": len(grad_spikes),
     }
     if clip is None:
@@ -214,24 +229,25 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
     if clip > 0 and fraction > MOST_STEPS:
         summary = (
             f"{fraction:.0%} of steps had grad norm above max_norm {clip:g}: clipping rescales the LR "
-            f"instead of guarding against spikes; healthy steps reach {_g(p99)} (p99): max_norm≈{computed:g}"
+            f"instead of guarding against spikes; healthy steps reach {_g(p99)} (p99, {based}): "
+            f"max_norm≈{computed:g}"
         )
         return [_finding("clipping", "warn", summary, evidence)]
     if peaks and (clip <= 0 or clip > max(peaks)):
         state = "disabled" if clip <= 0 else f"at {clip:g} is above every spike (peak {_g(max(peaks))})"
         summary = (
             f"clipping {state}: the {len(peaks)} grad-norm spike(s) went through unclipped; "
-            f"max_norm≈{computed:g} sits above 99 % of healthy steps and would cap them"
+            f"max_norm≈{computed:g} sits above 99 % of healthy steps ({based}) and would cap them"
         )
         return [_finding("clipping", "warn", summary, evidence)]
     evidence["suggested_max_norm"] = clip if clip > 0 else computed  # nothing to change
     if clip > 0:
         summary = (
-            f"max_norm {clip:g} clipped {fraction:.1%} of steps; healthy grad norms: median {_g(median)}, "
-            f"p99 {_g(p99)}"
+            f"max_norm {clip:g} clipped {fraction:.1%} of steps; healthy grad norms {based}: median "
+            f"{_g(median)}, p99 {_g(p99)}"
         )
     else:
-        summary = f"clipping disabled and no grad-norm spike needed it (healthy p99 {_g(p99)})"
+        summary = f"clipping disabled and no grad-norm spike needed it (healthy p99 {_g(p99)}, {based})"
     return [_finding("clipping", "pass", summary, evidence)]
 
 

@@ -78,7 +78,9 @@ def _watch_phase(
         checkup.skip("job", "left out with --skip")
         checkup.skip("memwatch", "no job to attach to (job left out with --skip)")
         return
-    watch = ["watch", "--out", out, *(["--steps", str(args.steps)] if args.steps else []), "--", *argv]
+    watch = ["watch", "--out", out, *(["--steps", str(args.steps)] if args.steps else [])]
+    watch += [x for item in getattr(args, "set_items", []) for x in ("--set", item)]  # issue 21
+    watch += ["--", *argv]
     launcher = None
     if nproc > 1:  # torch's own launcher, as the user would run the script
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ciuic_doctor.checkup.phases import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
 from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.commands.verify import add_budget
 
 NAME = "checkup"
 HELP = "measure the job end to end (collectives, loader, steps, memory) and write the report"
@@ -55,6 +56,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
         "checkup --baseline <first run>)",
     )
+    parser.add_argument(  # issue 21
+        "--set",
+        dest="set_items",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="check the job with this setting changed (job-spec key, TOML value; repeatable): any spec key "
+        "for the embedded job, the `watch --set` keys for a script",
+    )
+    verify = parser.add_argument_group("try the recommendations on the job: checkup --verify")
+    verify.add_argument(
+        "--verify",
+        action="store_true",
+        help="then try each recommended change on the job, interleaved A/B, and keep only what helps "
+        "(as `ciuic-doctor verify RUN`)",
+    )
+    add_budget(verify)
+    verify.add_argument(
+        "--include-unverified",
+        action="store_true",
+        help="recommended.env/.toml: add the changes that did not help or were not tried, commented out",
+    )
     script = parser.add_argument_group("your own script: checkup [options] -- train.py [args]")
     script.add_argument(
         "--dataset",
@@ -79,24 +102,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.checkup import script as checkup_script
+    from ciuic_doctor.store import default_run_path
+
+    args.out = str(default_run_path("checkup", args.out))  # one folder for the checkup and its verify
+    if script := checkup_script.script_argv(args):  # issue 14: the user's own script
+        from ciuic_doctor.probes.watch.overrides import parse
+
+        parse(args.set_items)  # issue 21: a bad --set is refused before anything runs
+        code = checkup_script.run(args, script)
+    else:
+        code = _run_embedded(args)
+    if args.verify:  # issue 21
+        from ciuic_doctor.checkup.verify import verify_phase
+
+        return verify_phase(args) or code
+    return code
+
+
+def _embedded_spec(args: argparse.Namespace) -> object:
+    """The job spec: --spec, then --set (a bad value blamed on --set, before anything runs)."""
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.jobs.options import parse_set_value
+    from ciuic_doctor.jobs.spec import load_spec, with_updates
+
+    spec = load_spec(args.spec)
+    updates = {}
+    for item in args.set_items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. --set dataloader.num_workers=4")
+        updates[key.strip()] = parse_set_value(value.strip())
+    if updates:
+        spec = with_updates(spec, updates, origin="--set " + ", ".join(updates))
+    return spec
+
+
+def _run_embedded(args: argparse.Namespace) -> int:
     from ciuic_doctor.errors import UserError
 
-    if script := checkup_script.script_argv(args):  # the user's own script
-        return checkup_script.run(args, script)
     if args.dataset:
         raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")
-    from ciuic_doctor.jobs.spec import load_spec
     from ciuic_doctor.launch import check_nproc
     from ciuic_doctor.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
 
     skip = parse_skip(args.skip, ("comm-bench", "loader-sweep", "job", "memwatch", "checkpoint-check"))
-    spec = load_spec(args.spec)
+    spec = _embedded_spec(args)
     baseline = RunDir.open(args.baseline) if args.baseline else None  # a wrong path fails before measuring
     nproc = args.nproc or spec.job.procs_per_node
     check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
+    if args.set_items:  # issue 21: every phase (and the report) runs the job as --set changed it
+        from ciuic_doctor.jobs.spec import dump_spec
+
+        args.spec = str(run_dir.write_text("checkup-spec.toml", dump_spec(spec)).resolve())
     spec_args = ["--spec", str(Path(args.spec).resolve())] if args.spec else []
     started = time.perf_counter()
     run_dir.record_environment()

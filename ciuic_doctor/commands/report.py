@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RUN_A",
         help="add a comparison with this earlier run (changes with 95 %% CIs, plots overlaid)",
     )
+    parser.add_argument(  # issue 21
+        "--include-unverified",
+        action="store_true",
+        help="recommended.env/.toml: add the changes not shown to help on the job (verify), commented out",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only the paths, not the summary")
 
 
@@ -46,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         spec_path=args.spec,
         analyze=True if args.reanalyze else None,
         baseline=baseline,
+        include_unverified=args.include_unverified,
     )
     if not args.quiet:
         print(result.summary)

@@ -19,6 +19,7 @@ program) or killed (SIGTERM, 143).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -118,6 +119,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the accelerator's dense peak TFLOP/s for MFU, when the built-in table does not know it (a CPU "
         "run, a new device); kept in meta.json for analyze",
     )
+    parser.add_argument(  # issue 21
+        "--set",
+        dest="set_items",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="run the script with this setting changed (job-spec key, TOML value; repeatable): "
+        "dataloader.num_workers / prefetch_factor / pin_memory / persistent_workers, "
+        "precision.init_scale / growth_interval, optim.clip_max_norm, distributed.timeout_s, "
+        "distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to ends it with exit 2",
+    )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
         nargs=argparse.REMAINDER,
@@ -133,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     check_target(argv)
+    from ciuic_doctor.probes.watch import overrides as watch_overrides  # issue 21; no torch here
+
+    settings = watch_overrides.parse(args.set_items)  # unknown keys, bad values: exit 2 before running
+    args.start_cwd = os.getcwd()  # the script may chdir; verify starts it where the user did
 
     import torch
 
@@ -158,7 +174,11 @@ def run(args: argparse.Namespace) -> int:
         follow_children=not args.no_follow,
         moe=not args.no_moe,
         moe_every=args.moe_every,
-        probe_fields={"argv": argv},
+        probe_fields={
+            "argv": argv,
+            "cwd": args.start_cwd,
+            **({"set": args.set_items} if args.set_items else {}),
+        },
     )
     if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
         session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
@@ -185,13 +205,19 @@ def run(args: argparse.Namespace) -> int:
     hang = HangConfig(hang_after_s=args.hang_after, fr_buffer=args.fr_buffer)
     watch_children.set_hang({"hang_after_s": hang.hang_after_s, "fr_buffer": hang.fr_buffer})
     disarm = arm(session, hang)
+    forced = watch_overrides.install(settings)  # outside watch's own hooks, so they see the value
     try:
         code = run_script(argv)
+        if code == 0 and not forced.refused and (line := forced.refusal("known when it ended")):
+            print(line, file=sys.stderr, flush=True)  # e.g. --steps ended it before the first-step check
+            forced.refused, code = line, watch_overrides.REFUSED_EXIT
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
+        status = "refused" if forced.refused else status  # issue 21: a --set key it gives no hold to
     except BaseException:  # our own failure around the script: still say how it ended
         status = "failed"
         raise
     finally:
+        forced.close()  # issue 21: before watch's own hooks go
         undo_exit()
         disarm(code)
         session.close()
@@ -221,6 +247,9 @@ def _report(
     fields = {"status": status, "exit_code": code, "steps": steps, "segment": session.segment}
     if children:
         fields.update(children=children, steps_all_processes=sum(per_rank.values()))
+    fields["cwd"] = getattr(args, "start_cwd", None) or os.getcwd()  # verify re-runs the script from here
+    if args.set_items:
+        fields["set"] = list(args.set_items)
     if session.checksum_note:
         fields["checksum"] = session.checksum_note
     if session.rank == 0:

@@ -43,7 +43,12 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
         if key in ("prefetch_factor", "persistent_workers") and workers == 0:
             value = None if key == "prefetch_factor" else False  # both need num_workers > 0
         current = getattr(dl, key)
-        why = f"loader-sweep: {measured}."
+        # Issue 21: the sweep judges the loader alone, so it is the pre-screen; what counts is the job's
+        # time before backward, which `verify` measures with and without the change.
+        why = (
+            f"loader-sweep (pre-screen, the loader alone): {measured}. Judged on the job by its time before "
+            "backward: `ciuic-doctor verify RUN` tries it and keeps it only if that improves."
+        )
         if key == "num_workers":
             budget = finding.evidence.get("cpu_budget_per_rank")
             rule = finding.evidence.get("lightning_rule_workers")
@@ -64,6 +69,8 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
             confidence="high" if finding.verdict == "pass" else "medium",
             current=current,
             samples_per_s=rate,
+            pre_screen="loader-sweep",
+            aims_at="time before backward",
             best=best,
             current_samples_per_s=current_rate,
         )

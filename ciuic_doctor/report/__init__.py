@@ -86,9 +86,13 @@ def build_report(
     spec_path: str | Path | None = None,
     analyze: bool | None = None,
     baseline: RunDir | None = None,
+    include_unverified: bool = False,
 ) -> ReportResult:
     """Analyse (always with analyze=True, never with False, else when needed), recommend, check the seed
-    tips, and write every output file; with `baseline`, add the comparison section (and comparison.json)."""
+    tips, and write every output file; with `baseline`, add the comparison section (and comparison.json).
+
+    Issue 21: RUN/verification.json (`ciuic-doctor verify`) gives each change a status; the files carry
+    only changes that help or are facts, `include_unverified` adds the rest as comments."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
     from ciuic_doctor.report import files, html, imported, plots, sections
@@ -105,6 +109,11 @@ def build_report(
     else:
         findings = load_findings(run)
     plan = recommend(spec, findings, meta, resolved=resolved)
+    from ciuic_doctor.recommend import verified
+
+    verification = verified.load(run)  # issue 21: what `verify` found, change by change
+    plan = verified.apply(plan, verification)
+    file_plan, unverified = verified.for_files(plan)
     streams = sections.load_streams(run)
     steps = streams.get("steps") or []
     first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)
@@ -125,6 +134,10 @@ def build_report(
         from ciuic_doctor.report.compare_section import write_comparison
 
         parts.append(write_comparison(baseline, run))
+    if verification is not None:
+        from ciuic_doctor.report.verify_section import verify_section
+
+        parts.append(verify_section(verification))
     beside = {name: run.write_text(name, text) for s in parts for name, text in s.files.items()}  # CSVs
     not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
     # A probe that ended badly but left records: its section shows them, and the verdicts say so.
@@ -143,8 +156,11 @@ def build_report(
     ]
     prov = html.provenance(meta, streams, spec)
     run_name = str(meta.get("run") or run.path.name)
-    env_text = files.env_text(plan, job=shown.job.name, run=run_name)
-    changes = files.toml_changes(spec, plan)
+    commented = unverified if include_unverified else []
+    env_text = files.env_text(
+        file_plan, job=shown.job.name, run=run_name, left_out=unverified, commented=commented
+    )
+    changes = files.toml_changes(spec, file_plan)
     result.summary = files.summary_md(
         spec=shown, plan=plan, findings=findings, tips=tips, not_run=not_run, provenance=prov
     )
@@ -168,7 +184,14 @@ def build_report(
         "recommended.toml": run.write_text(
             "recommended.toml",
             _toml_header(resolved)
-            + files.spec_toml(spec, plan, run=run_name, omit=_unobserved_optim(resolved, plan)),
+            + files.spec_toml(
+                spec,
+                file_plan,
+                run=run_name,
+                omit=_unobserved_optim(resolved, file_plan),
+                left_out=unverified,
+                commented=commented,
+            ),
         ),
         "summary.md": run.write_text("summary.md", result.summary),
         "report.html": run.write_text("report.html", page),

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
+from ciuic_doctor.findings import Finding, Recommendation, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec, dump_spec, with_updates
 from ciuic_doctor.recommend import Plan, is_change, setting_kind
 from ciuic_doctor.report.html import show_value
@@ -77,7 +77,38 @@ def applied(plan: Plan) -> Plan:
     return Plan(recommendations=[r for r in plan.recommendations if r.evidence.get("measured") is not False])
 
 
-def env_text(plan: Plan, *, job: str, run: str) -> str:
+def _status(rec: Recommendation) -> str:
+    found = rec.evidence.get("verification") or {}
+    return f"{found.get('status', 'not verified')}: {found.get('reason', '')}".rstrip(": ")
+
+
+def _left_out_note(left_out: Sequence[Recommendation], kinds: tuple[str, ...]) -> list[str]:
+    """Issue 21: the changes the file leaves out because nothing showed they help on this job."""
+    names = [r.setting for r in left_out if setting_kind(r.setting) in kinds]
+    if not names:
+        return []
+    return _comment(
+        f"Left out, not shown to help on this job ({len(names)}): {', '.join(names)}. Only changes that "
+        "`ciuic-doctor verify` found to help, or arithmetic / documented facts, are applied here; "
+        "`--include-unverified` adds the rest as comments."
+    )
+
+
+def _commented_env(rec: Recommendation) -> list[str]:
+    out = _comment(f"NOT VERIFIED ({_status(rec)}). {rec.setting} = {rec.value}: {rec.why}")
+    if rec.value is not None and _ENV_NAME.match(rec.setting):
+        out.append(_one_line(f"# export {rec.setting}={shlex.quote(str(rec.value))}"))
+    return out
+
+
+def env_text(
+    plan: Plan,
+    *,
+    job: str,
+    run: str,
+    left_out: Sequence[Recommendation] = (),
+    commented: Sequence[Recommendation] = (),
+) -> str:
     lines = [
         *_comment(f"ciuic-doctor: recommended environment for {job} (run {run})."),
         "# Source it before launching: `source recommended.env && torchrun ...`. Only settings with a",
@@ -99,6 +130,11 @@ def env_text(plan: Plan, *, job: str, run: str) -> str:
             lines.append(f"unset {rec.setting}")
         else:
             lines.append(f"export {rec.setting}={shlex.quote(str(rec.value))}")
+    if note := _left_out_note(left_out, ("env",)):
+        lines += ["", *note]
+    for rec in commented:
+        if setting_kind(rec.setting) == "env":
+            lines += ["", *_commented_env(rec)]
     return "\n".join(lines) + "\n"
 
 
@@ -212,27 +248,46 @@ def summary_md(
     changes = [r for r in plan.recommendations if is_change(r)]
     lines += ["", "**Recommended changes**" if changes else "**Recommended changes:** none"]
     if changes:
-        lines += ["", "| setting | current | recommended | confidence |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| setting | current | recommended | confidence | verified on the job |",
+            "|---|---|---|---|---|",
+        ]
         for r in changes:
             current = md_code(show_value(r.current), cell=True) if r.current is not None else "—"
             shown = md_code(show_value(r.value, r.setting), cell=True)
-            lines.append(
-                f"| {md_code(r.setting, cell=True)} | {current} | {shown} | {md_text(r.confidence)} |"
-            )
+            status = md_text((r.evidence.get("verification") or {}).get("status") or "—")
+            setting = md_code(r.setting, cell=True)
+            lines.append(f"| {setting} | {current} | {shown} | {md_text(r.confidence)} | {status} |")
     lines += ["", "**Seed tips:** " + " · ".join(f"{t.number} {_TIP_MARK[t.status]}" for t in tips)]
     lines += ["", "Files: report.html, recommended.env, recommended.toml, recommendations.json."]
     return "\n".join(lines) + "\n"
 
 
-def spec_toml(spec: JobSpec, plan: Plan, *, run: str, omit: Sequence[str] = ()) -> str:
-    """The spec with the plan applied, as TOML; `omit`: dotted keys left out (an observed job's optimizer
-    settings nobody observed: the defaults are AdamW's, and the job may run LBFGS or SGD)."""
+def spec_toml(
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    run: str,
+    omit: Sequence[str] = (),
+    left_out: Sequence[Recommendation] = (),
+    commented: Sequence[Recommendation] = (),
+) -> str:
+    """The spec with the plan applied, as TOML. `omit`: dotted keys left out (an observed job's optimizer
+    settings nobody observed: the defaults are AdamW's, and the job may run LBFGS or SGD); `left_out`:
+    changes not applied (verify did not find they help), named in a comment; `commented`: the same
+    written out commented (--include-unverified)."""
     import tomli_w
 
+    extra = _left_out_note(left_out, ("spec", "env"))
+    for rec in commented:
+        where = "[distributed.env] " if setting_kind(rec.setting) == "env" else ""
+        extra += _comment(f"NOT VERIFIED ({_status(rec)}): {where}{rec.setting} = {show_value(rec.value)}")
     header = "\n".join(
         [
             *_comment(f"ciuic-doctor: {spec.job.name} with the recommended settings of run {run} applied."),
             "# Use it with `ciuic-doctor job --spec recommended.toml`; see recommendations.json for the why.",
+            *extra,
             "",
             "",
         ]

@@ -163,6 +163,8 @@ def render(
     """The whole page as one string (the caller writes it through the store, which scrubs secrets)."""
     import markupsafe
 
+    from ciuic_doctor.report.verify_section import status_text
+
     everything = sort_findings([*findings, *plan.findings])
     not_run = [s for s in sections if not s.ran]
     overall = overall_verdict(everything)
@@ -180,6 +182,7 @@ def render(
             "shown": show_value(r.value, r.setting),
             "current_shown": show_value(r.current) if r.current is not None else "—",
             "change": is_change(r),
+            "verified": status_text(r.evidence),  # issue 21: what `verify` found on the job
         }
         for r in plan.recommendations
     ]

@@ -1,0 +1,108 @@
+"""Try each change RUN recommends on the job RUN recorded, and say which ones help.
+
+    ciuic-doctor verify RUN                         every changing recommendation of RUN, default budget
+    ciuic-doctor verify RUN --budget 300 --steps 20
+    ciuic-doctor verify RUN --try dataloader.num_workers=4     a change of your own (folklore), alone
+
+For each change, the job (the embedded job with the spec it ran, or the script watch ran, with its
+argv) runs as it is (A) and with the change (B), interleaved A B A B ... (runner.py), warm-up + N steps
+a run, within --budget seconds, a progress line per run. Each change is judged alone on the job's own
+figures: helps / no measurable effect / hurts / not verifiable here, with the interval on the figure
+its rule aims at (ciuic_doctor/verify/judge.py). Writes RUN/verify/ (one run directory per run) and
+RUN/verification.json, then the report again, so report.html, recommended.env and recommended.toml
+carry only what helped (or is arithmetic / a documented fact). Exit 0 when verification ran (whatever
+it found), 1 when the job failed unchanged, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ciuic_doctor.cli_args import positive_float, positive_int
+
+NAME = "verify"
+HELP = "try each recommended change on the job, interleaved A/B, and keep only what helps"
+ORDER = 72
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "run", metavar="RUN", help="a run directory that recorded the embedded job or a script"
+    )
+    add_budget(parser)
+    parser.add_argument(
+        "--try",
+        dest="tries",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a change of your own to try alone (job-spec key as --set takes it; repeatable); with --try "
+        "only these are tried unless --with-recommendations",
+    )
+    parser.add_argument(
+        "--with-recommendations",
+        action="store_true",
+        help="with --try: try RUN's recommended changes as well",
+    )
+    parser.add_argument(
+        "--include-unverified",
+        action="store_true",
+        help="recommended.env/.toml: add the changes that did not help or were not tried, commented out",
+    )
+
+
+def add_budget(parser: argparse.ArgumentParser) -> None:
+    """--budget, --verify-steps and --max-rounds (checkup --verify takes the same)."""
+    parser.add_argument(
+        "--budget",
+        type=positive_float,
+        default=480.0,
+        metavar="S",
+        help="seconds for all the runs (default 480: the embedded job in <= 10 minutes on 2 CPU cores); "
+        "rounds go on while the next one fits",
+    )
+    parser.add_argument(
+        "--verify-steps",
+        type=positive_int,
+        default=20,
+        metavar="N",
+        help="steps per run after the 2 warm-up steps (default 20)",
+    )
+    parser.add_argument(
+        "--max-rounds", type=positive_int, default=12, metavar="R", help="most A/B rounds (default 12)"
+    )
+
+
+def options_from(args: argparse.Namespace) -> object:
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.probes.watch.overrides import parse_value
+    from ciuic_doctor.verify import Options
+
+    tries: list[tuple[str, object]] = []
+    for item in getattr(args, "tries", []) or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--try {item!r}: expected KEY=VALUE, e.g. --try dataloader.num_workers=4")
+        tries.append((key.strip(), parse_value(text.strip())))
+    return Options(
+        budget_s=args.budget,
+        steps=args.verify_steps,
+        max_rounds=args.max_rounds,
+        tries=tries,
+        only_tries=bool(tries) and not getattr(args, "with_recommendations", False),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ciuic_doctor.report import build_report
+    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.verify import lines, verify_run
+
+    run_dir = RunDir.open(args.run)
+    options = options_from(args)
+    data = verify_run(run_dir, options, say=lambda text: print(text, flush=True))
+    result = build_report(run_dir, include_unverified=args.include_unverified)
+    print(f"\nverified in {data['seconds']:.0f} s ({data['rounds']} round(s)):")
+    print("\n".join(lines(data) or ["  no change to verify"]))
+    print(f"written: {run_dir.path / 'verification.json'}; report {result.paths['report.html']}")
+    return 0

@@ -1,0 +1,127 @@
+"""What `verify` found, applied to the recommendations (issue 21): each change that was tried carries
+its status and interval, and only what helps, or is arithmetic / a documented fact, reaches the files.
+
+    helps                 kept; it goes into recommended.env / recommended.toml
+    no measurable effect  "within noise: yours is fine": the recommendation becomes the current value
+    hurts                 dropped: the current value stays, the interval shows why
+    not verifiable here   kept as advice, marked not verified, with the reason
+
+RUN/verification.json is written by `ciuic-doctor verify RUN` (ciuic_doctor/verify/); this module only
+reads it, so the report never re-runs anything.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ciuic_doctor.findings import Recommendation
+from ciuic_doctor.recommend.core import Plan, is_change, setting_kind
+
+HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE = "helps", "no measurable effect", "hurts", "not verifiable here"
+STATUSES = (HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE)
+NOT_VERIFIED = "not verified"
+WITHIN_NOISE = (
+    "within noise: yours is fine"  # no verification.json, or this change was not among the candidates
+)
+VERIFICATION_FILE = "verification.json"
+# num_workers = 0 takes these with it (DataLoader refuses them without workers): they share its status.
+WORKER_KEYS = ["dataloader.prefetch_factor", "dataloader.persistent_workers"]
+# Changes that are arithmetic on the job's own settings or documented behaviour, not a measured guess:
+# they go into the files without a trial (their evidence says which).
+FACT_SETTINGS = {
+    "optim.lr_scaling": "arithmetic on the job spec (the LR scaling rule for the global batch)",
+    "optim.warmup_pct": "arithmetic on the job spec (OneCycleLR's warm-up)",
+    "distributed.timeout_s": "arithmetic on a measured save time (longest legitimate wait × safety factor)",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "documented: turns on NCCL's Flight Recorder (diagnostics only)",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "documented: dumps the Flight Recorder on a timeout (diagnostics only)",
+}
+
+
+def spec_key(setting: str) -> str:
+    return f"distributed.env.{setting}" if setting_kind(setting) == "env" else setting
+
+
+def fact(rec: Recommendation) -> str:
+    """Why `rec` needs no trial ("" when it does)."""
+    return FACT_SETTINGS.get(rec.setting, "")
+
+
+def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
+    """A copy of `plan` with every changing recommendation's verification in its evidence, and the
+    changes that showed no effect or hurt turned into "keep yours"."""
+    out = copy.deepcopy(plan)
+    by_key: dict[str, dict[str, Any]] = {}
+    for cand in (verification or {}).get("candidates") or []:
+        if isinstance(cand, dict) and cand.get("source") == "recommendation":
+            settings = cand.get("settings") if isinstance(cand.get("settings"), dict) else {}
+            covers = cand.get("covers") or (
+                WORKER_KEYS if settings.get("dataloader.num_workers") == 0 else []
+            )
+            for key in [*settings, *covers]:
+                by_key.setdefault(key, cand)
+    for rec in out.recommendations:
+        if not is_change(rec):
+            continue
+        cand = by_key.get(spec_key(rec.setting))
+        if cand is None:
+            rec.evidence["verification"] = {
+                "status": NOT_VERIFIED,
+                "reason": _unverified_reason(verification),
+            }
+            continue
+        rec.evidence["verification"] = {
+            k: cand.get(k)
+            for k in ("status", "reason", "target_metric", "ratio", "ci_low", "ci_high", "rounds")
+        }
+        status = cand.get("status")
+        if spec_key(rec.setting) not in (cand.get("settings") or {}):
+            rec.evidence["verification"]["follows"] = cand.get("label")  # a consequence of that change
+        if status in (NO_EFFECT, HURTS):
+            tried = rec.value
+            rec.evidence["verification"]["tried"] = tried
+            rec.value = rec.current
+            reason = str(cand.get("reason") or "")
+            words = "it hurt the job, dropped: " if status == HURTS else ""
+            if status == NO_EFFECT and WITHIN_NOISE not in reason:
+                words = f"{WITHIN_NOISE}: "
+            rec.why = f"Tried {rec.setting} = {tried} on the job: {words}{reason}. {rec.why}"
+    return out
+
+
+def _unverified_reason(verification: dict[str, Any] | None) -> str:
+    if verification is None:
+        return "not tried on the job (run `ciuic-doctor verify RUN` or `checkup --verify`)"
+    return "not among the changes verify tried"
+
+
+def status_of(rec: Recommendation) -> str:
+    return str((rec.evidence.get("verification") or {}).get("status") or NOT_VERIFIED)
+
+
+def for_files(plan: Plan) -> tuple[Plan, list[Recommendation]]:
+    """(the plan whose changes go into recommended.env / .toml, the unverified rest).
+
+    A change goes in when verify found it helps, or when it is a fact (FACT_SETTINGS); a
+    recommendation that changes nothing (kept values, advice) stays as it is."""
+    live: list[Recommendation] = []
+    rest: list[Recommendation] = []
+    for rec in plan.recommendations:
+        keeps = not is_change(rec) or setting_kind(rec.setting) == "advice"
+        if keeps or status_of(rec) == HELPS or fact(rec):
+            live.append(rec)
+        else:
+            rest.append(rec)
+    return Plan(recommendations=live, findings=plan.findings), rest
+
+
+def load(run: Any) -> dict[str, Any] | None:
+    """RUN/verification.json, or None (missing or unreadable: the report says "not verified")."""
+    path = run.path / VERIFICATION_FILE
+    if not path.is_file() or path.is_symlink() or path.stat().st_size > 16 * 2**20:
+        return None
+    try:
+        data = run.read_json(VERIFICATION_FILE)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,224 @@
+"""Run the job as it is (A) and with each candidate change (B1, B2, ...), interleaved, within a budget.
+
+A round is one run of A and one of every candidate still being tried, in an order that alternates
+(A B1 B2 ... then ... B2 B1 A), so load that drifts on a shared machine, and whatever the position in a
+round does (a warm page cache), hits both sides alike. Rounds come in such pairs, so each position is
+held as often by A as by B: a new pair starts while both of its rounds fit the budget (their time
+estimated from the rounds so far), up to --max-rounds. Every run is a run directory of its
+own under RUN/verify/, written by the same command the job ran under (`job` for the embedded job,
+`watch` for a script), with `--steps` warm-up + N steps and the candidate's `--set`.
+
+A B run that watch refuses (exit 2: the script gives the key no hold) makes the candidate "not
+verifiable here" with watch's own line; a B run that fails otherwise makes it "hurts" (the change broke
+the job). An A run that fails ends verification: the job does not run unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ciuic_doctor.errors import ProbeFailed
+from ciuic_doctor.verify.plan import Candidate
+
+VERIFY_DIR = "verify"
+REFUSED_EXIT = 2  # watch --set: the script gives the key no hold (probes/watch/overrides.py)
+
+
+@dataclass(kw_only=True)
+class JobCommand:
+    """How to start one run of the job: `argv(out, set_items)` and where to start it."""
+
+    kind: str  # job | watch
+    base: list[str]  # the command up to (not including) --out / --set
+    tail: list[str] = field(default_factory=list)  # after the options (watch: -- script argv)
+    launcher: list[str] = field(default_factory=lambda: [sys.executable])
+    cwd: str | None = None
+
+    def argv(self, out: Path, set_items: list[str]) -> list[str]:
+        sets = [x for item in set_items for x in ("--set", item)]
+        return [*self.launcher, "-m", "ciuic_doctor", *self.base, "--out", str(out), *sets, *self.tail]
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    side: str  # "A" or a candidate id
+    round: int
+    path: str
+    seconds: float
+    exit_code: int | None  # None: timed out
+    last_line: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(kw_only=True)
+class Schedule:
+    budget_s: float
+    max_rounds: int = 12
+    min_rounds: int = 3
+    run_timeout_s: float = 600.0
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("CIUIC_RUN_DIR", None)  # every run gets --out explicitly
+    return env
+
+
+def _last_line(text: str) -> str:
+    """What a run's output says of its end: watch's --set refusal when there is one, else the last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    refusal = [line for line in lines if "--set cannot be applied" in line]
+    return (refusal or lines or [""])[-1][:600]
+
+
+def run_once(
+    command: JobCommand, out: Path, set_items: list[str], timeout_s: float
+) -> tuple[int | None, str]:
+    """One run in its own process group (a timeout or Ctrl-C takes its ranks and workers with it)."""
+    with tempfile.TemporaryFile("w+", errors="replace") as log:
+        proc = subprocess.Popen(
+            command.argv(out, set_items),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            cwd=command.cwd,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            code: int | None = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        except BaseException:  # Ctrl-C: end the run's whole group before going
+            _kill_group(proc)
+            raise
+        if code is None:
+            _kill_group(proc)
+        log.seek(0)
+        text = log.read()
+    if out.is_dir():
+        from ciuic_doctor.store import RunDir
+
+        RunDir(out).write_text("verify-run.log", text)  # secrets scrubbed, next to the run's records
+    return code, _last_line(text)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def interleave(
+    command: JobCommand,
+    candidates: list[Candidate],
+    root: Path,
+    schedule: Schedule,
+    say: Callable[[str], None],
+) -> tuple[list[RunResult], dict[str, str]]:
+    """Rounds of A and every tried candidate; returns every run and, per candidate dropped on the way,
+    why ("refused: ..." or "failed: ..."). Raises ProbeFailed when the job fails unchanged."""
+    tried = [c for c in candidates if not c.unverifiable]
+    dropped: dict[str, str] = {}
+    results: list[RunResult] = []
+    started = time.perf_counter()
+    round_times: list[float] = []
+    timeout_s = schedule.run_timeout_s
+    for rnd in range(1, schedule.max_rounds + 1):
+        active = [c for c in tried if c.id not in dropped]
+        if not active:
+            break
+        elapsed = time.perf_counter() - started
+        if round_times and rnd % 2 == 1:  # a new pair of rounds (A first, then A last) must fit whole
+            estimate = sum(round_times) / len(round_times) * (len(active) + 1) / (len(tried) + 1)
+            pair = min(2, schedule.max_rounds - rnd + 1)
+            if elapsed + pair * estimate > schedule.budget_s:
+                say(
+                    f"verify: budget {schedule.budget_s:.0f} s: stopping after {rnd - 1} round(s) "
+                    f"({elapsed:.0f} s spent; a round takes about {estimate:.0f} s)"
+                )
+                break
+        order: list[Candidate | None] = [None, *active]
+        if rnd % 2 == 0:
+            order.reverse()
+        t_round = time.perf_counter()
+        for cand in order:
+            side = "A" if cand is None else cand.id
+            out = root / f"r{rnd:02d}-{side}"
+            t0 = time.perf_counter()
+            code, line = run_once(command, out, cand.set_items() if cand else [], timeout_s)
+            result = RunResult(
+                side=side, round=rnd, path=str(out), seconds=time.perf_counter() - t0, exit_code=code,
+                last_line=line,
+            )  # fmt: skip
+            results.append(result)
+            if cand is None and not result.ok:
+                raise ProbeFailed(
+                    f"verify: the job failed unchanged in round {rnd} "
+                    f"({'timed out' if code is None else f'exit code {code}'}): {line}; records in {out}"
+                )
+            if cand is not None and not result.ok:
+                if code == REFUSED_EXIT and command.kind == "watch":
+                    dropped[cand.id] = f"refused: {line}"
+                else:
+                    dropped[cand.id] = (
+                        f"failed: {'timed out' if code is None else f'exit code {code}'}: {line}"
+                    )
+            if rnd == 1 and cand is None:  # a run several times longer than the unchanged job is stuck
+                timeout_s = min(schedule.run_timeout_s, max(120.0, 5 * result.seconds))
+            what = "A (as it is)" if cand is None else f"{cand.id} {cand.label}"
+            status = (
+                "ok"
+                if result.ok
+                else ("refused" if side in dropped and "refused" in dropped[side] else "FAILED")
+            )
+            say(
+                f"verify [round {rnd}] {what:<40.40s} {status:<7} {result.seconds:6.1f} s"
+                f"{_figures(out) if result.ok else ' — ' + line}"
+            )
+        round_times.append(time.perf_counter() - t_round)
+    return results, dropped
+
+
+def _figures(out: Path) -> str:
+    """The run's mean step time and time before backward, for the progress line."""
+    from ciuic_doctor.verify.figures import run_figures
+
+    fig = run_figures(out)
+    parts = []
+    if fig.step_time_s is not None:
+        parts.append(f"step {fig.step_time_s * 1e3:.1f} ms")
+    if fig.pre_backward_s is not None:
+        parts.append(f"before backward {fig.pre_backward_s * 1e3:.1f} ms")
+    return ("; " + ", ".join(parts)) if parts else ""
+
+
+def describe(results: list[RunResult]) -> list[dict[str, Any]]:
+    return [
+        {
+            "side": r.side,
+            "round": r.round,
+            "path": r.path,
+            "seconds": round(r.seconds, 2),
+            "exit_code": r.exit_code,
+            **({"last_line": r.last_line} if not r.ok else {}),
+        }
+        for r in results
+    ]

@@ -170,8 +170,10 @@ ALLREDUCE_SCRIPT = textwrap.dedent(
     import os, sys, time
     import torch, torch.distributed as dist
     dist.init_process_group("gloo")
-    open(sys.argv[1] + os.environ["RANK"], "w").close()
-    while True:
+    with open(sys.argv[1] + os.environ["RANK"], "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + 300  # never outlive the test: torchrun starts ranks in their own session
+    while time.monotonic() < deadline:
         dist.all_reduce(torch.ones(4))
         time.sleep(0.05)
     """
@@ -197,10 +199,17 @@ def test_two_agents_of_one_job_on_a_host_are_joined_by_their_run_id(tmp_path: Pa
         ranks = {line.split()[0] for line in text.splitlines() if line.split()[:1] in (["0"], ["1"])}
         assert ranks == {"0", "1"}, text
     finally:
+        ranks = []
+        for r in "01":  # the ranks are in sessions of their own: killing the agents' groups leaves them
+            with contextlib.suppress(OSError, ValueError):
+                ranks.append(int(Path(ready + r).read_text()))
         for agent in agents:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 TWO_RANKS = textwrap.dedent(

@@ -53,7 +53,13 @@ def test_four_statuses_on_a_script_whose_loader_is_the_bottleneck(watched):
     assert helps["ci_high"] < 1.0
     assert hurts["status"] == HURTS, hurts
     assert "skipped steps" in hurts["reason"]
-    assert status["dataloader.num_workers=0"]["status"] == NO_EFFECT, status["dataloader.num_workers=0"]
+    noop = status["dataloader.num_workers=0"]  # the script's own value: an A/A comparison
+    if noop["status"] != NO_EFFECT:
+        # At 95 % an A/A pair is called significant about 1 time in 20 (benchmarks/verify_aa.py measures
+        # the rate); such a call is a marginal one: its interval's bound nearest 1.0 within 10 %.
+        assert noop["status"] in (HELPS, HURTS), noop
+        assert noop["ci_low"] is not None, noop
+        assert min(abs(noop["ci_low"] - 1.0), abs(noop["ci_high"] - 1.0)) < 0.10, noop
     assert status["optim.clip_max_norm=2"]["status"] == NOT_VERIFIABLE
     assert data["rounds"] == 4  # two pairs: every position in a round held by A as often as by B
     # interleaved: every round has A and each tried change, A first in odd rounds and last in even ones

@@ -211,27 +211,27 @@ def _check_writable(fd: int, path: Path) -> None:
 def open_append(path: Path, *, mode: int = 0o644) -> int:
     """An O_APPEND descriptor of a stream file, created if missing; never through a symlink, a FIFO
     (O_NONBLOCK: the open fails instead of waiting for a reader) or a hard link."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, mode)
-    except OSError as exc:
-        raise Unsafe(path, _why(exc)) from None
-    _check_writable(fd, path)
-    os.set_blocking(fd, True)
-    return fd
+    return _open_writable(path, os.O_WRONLY | os.O_APPEND, mode)
 
 
 def open_truncated(path: Path, *, mode: int = 0o644) -> int:
     """A descriptor of `path` emptied for writing (a file kept open, like faulthandler's), created if
     missing; a symlink, FIFO, device or hard-linked file there is refused before anything is cut."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = _open_writable(path, os.O_RDWR, mode)
+    os.ftruncate(fd, 0)
+    return fd
+
+
+def _open_writable(path: Path, access: int, mode: int) -> int:
+    """`path` opened (created if missing) for `access`, never through a symlink; non-blocking while it is
+    checked to be a regular file with one link, so a FIFO cannot make the open wait for a reader."""
+    flags = access | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, mode)
     except OSError as exc:
         raise Unsafe(path, _why(exc)) from None
     _check_writable(fd, path)
     os.set_blocking(fd, True)
-    os.ftruncate(fd, 0)
     return fd
 
 

@@ -99,25 +99,14 @@ def measure_row(
     def op() -> None:
         launch(collective, buf, group, root)
 
-    n_warm = max(timing.warmup, 1 if timing.iters is None else 0)
-    start = time.perf_counter()
-    for _ in range(n_warm):
-        op()
-    sync(device)
-    iters = timing.iters or _agree_on_iters((time.perf_counter() - start) / n_warm, timing, control)
-    tick()
-
-    marks = Marks(iters + 1, device)
-    dist.barrier(group=control)
-    sync(device)
-    marks.mark(0)
-    start = time.perf_counter()
-    for i in range(iters):
-        op()
-        marks.mark(i + 1)
-        tick()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    iters, elapsed, marks = time_op(
+        op,
+        timing=timing,
+        device=device,
+        control=control,
+        tick=tick,
+        min_warmup=1 if timing.iters is None else 0,
+    )
 
     fill_inputs(buf, rank=rank, pattern=pattern)
     op()
@@ -128,6 +117,38 @@ def measure_row(
     want = expected(collective, sh, rank=rank, pattern=pattern, like=buf.recv, root=root)
     wrong = count_wrong(buf.recv, want)
     return RankResult(time_s=elapsed, iters=iters, durations_us=marks.durations_us(), wrong=wrong)
+
+
+def time_op(
+    op: Callable[[], None],
+    *,
+    timing: Timing,
+    device: torch.device,
+    control: Any,
+    tick: Callable[[], None] = lambda: None,
+    min_warmup: int = 1,
+) -> tuple[int, float, Marks]:
+    """(iters, elapsed_s, per-iteration marks) of `op` on this rank: warm up, agree with every rank on the
+    iteration count (the slowest rank's estimate), then time the loop between a barrier and a sync, as
+    nccl-tests does. `tick` runs between calls (the liveness heartbeat)."""
+    n_warm = max(timing.warmup, min_warmup)
+    start = time.perf_counter()
+    for _ in range(n_warm):
+        op()
+    sync(device)
+    iters = timing.iters or _agree_on_iters((time.perf_counter() - start) / n_warm, timing, control)
+    tick()
+    marks = Marks(iters + 1, device)
+    dist.barrier(group=control)
+    sync(device)
+    marks.mark(0)
+    start = time.perf_counter()
+    for i in range(iters):
+        op()
+        marks.mark(i + 1)
+        tick()
+    sync(device)
+    return iters, time.perf_counter() - start, marks
 
 
 def _agree_on_iters(per_op_s: float, timing: Timing, control: Any) -> int:

@@ -10,7 +10,6 @@ mean bytes, #wrong.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from ciuic_doctor.probes.comm.bench import Bench
 from ciuic_doctor.probes.comm.collectives import DTYPES, elem_bytes
-from ciuic_doctor.probes.comm.measure import Marks, RankResult, _agree_on_iters, percentile, sync
+from ciuic_doctor.probes.comm.measure import RankResult, percentile, sync, time_op
 from ciuic_doctor.probes.comm.splits import SplitPlan, plan_from_run
 
 ROUNDS = 4  # timed loops per splits mode and layer (after one warm-up round), even and routed alternating
@@ -125,24 +124,9 @@ def _time_splits(
     def op() -> None:
         dist.all_to_all_single(out, source, output_split_sizes=recv, input_split_sizes=send, group=group)
 
-    timing = bench.timing
-    start = time.perf_counter()
-    warm = max(timing.warmup, 1)
-    for _ in range(warm):
-        op()
-    sync(device)
-    iters = timing.iters or _agree_on_iters((time.perf_counter() - start) / warm, timing, control)
-    marks = Marks(iters + 1, device)
-    dist.barrier(group=control)
-    sync(device)
-    marks.mark(0)
-    start = time.perf_counter()
-    for i in range(iters):
-        op()
-        marks.mark(i + 1)
-        bench.watch.tick()
-    sync(device)
-    elapsed = time.perf_counter() - start
+    iters, elapsed, marks = time_op(
+        op, timing=bench.timing, device=device, control=control, tick=bench.watch.tick, min_warmup=1
+    )
     out.fill_(-1)
     op()
     sync(device)

@@ -422,10 +422,8 @@ class HangWatchdog:
     def _dump(self, reason: str, **fields: Any) -> None:
         t0 = time.perf_counter()
         stacks = thread_stacks()  # first: where every thread is now, before the slow parts below
-        if self._dumps:
-            keep_earlier(self.run.path, self.rank, self._dumps)
-        self._dumps += 1
-        fr_file, status = self._write_flight_recorder()
+        earlier, self._dumps = self._dumps, self._dumps + 1
+        fr_file, status = self._write_flight_recorder(earlier)
         if reason in ("collective-error", "terminated"):
             time.sleep(PEER_SETTLE_S)  # a peer killed with -9 drops its sockets before the kernel reaps it
         peers = peer_states(self.run, self.rank, self.host)
@@ -447,6 +445,8 @@ class HangWatchdog:
             "peers": peers,
         }
         record["dump_s"] = time.perf_counter() - t0
+        if earlier:  # moved aside only now: a rank killed during the slow parts above keeps its last dump
+            keep_earlier(self.run.path, self.rank, earlier)
         self.run.write_text(f"hang.rank{self.rank}.stacks.txt", format_stacks(stacks))
         self.run.write_json(f"hang.rank{self.rank}.json", record)  # last: its presence means complete
         print(
@@ -455,7 +455,9 @@ class HangWatchdog:
             file=sys.stderr,
         )
 
-    def _write_flight_recorder(self) -> tuple[str | None, dict[str, Any] | None]:
+    def _write_flight_recorder(self, index: int = 0) -> tuple[str | None, dict[str, Any] | None]:
+        """This rank's Flight Recorder entries as torch dumps them, in a file of this dump's own (the
+        first `hang.fr/rank<R>`, a later one `hang.fr/rank<R>.<index>`), so no dump's file is moved."""
         import pickle
 
         import torch.distributed as dist
@@ -468,7 +470,7 @@ class HangWatchdog:
 
         raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=True, onlyActive=False)
         safe_io.make_dir(self.run.path, "hang.fr")
-        name = f"hang.fr/rank{self.rank}"
+        name = f"hang.fr/rank{self.rank}" + (f".{index}" if index else "")
         self.run.write_bytes(name, raw)  # O_EXCL temp file + rename, no symlink followed on the way
         return name, pickle.loads(raw).get("pg_status")  # torch's own bytes, in this process
 

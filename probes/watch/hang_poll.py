@@ -106,12 +106,11 @@ def still_moving(watchdog: Any, status: dict[str, Any] | None) -> bool | None:
 
 def keep_earlier(run_path: Path, rank: int, k: int) -> None:
     """A later dump never overwrites an earlier one: the earlier files move aside to
-    hang.rank<R>.earlier<k>.json / .stacks.txt and hang.fr/rank<R>.earlier<k>; `hang RUN` judges the
-    latest (hang.rank<R>.json)."""
+    hang.rank<R>.earlier<k>.json / .stacks.txt (each dump's Flight Recorder file has its own name and
+    stays, so the fr_file it names is still right); `hang RUN` judges the latest (hang.rank<R>.json)."""
     for old, new in (
         (f"hang.rank{rank}.json", f"hang.rank{rank}.earlier{k}.json"),
         (f"hang.rank{rank}.stacks.txt", f"hang.rank{rank}.earlier{k}.stacks.txt"),
-        (f"hang.fr/rank{rank}", f"hang.fr/rank{rank}.earlier{k}"),
     ):
         with contextlib.suppress(OSError):
             os.replace(run_path / old, run_path / new)

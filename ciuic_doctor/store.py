@@ -95,14 +95,6 @@ def as_float(value: Any) -> float | None:
         return None
 
 
-def _identity(fd: int) -> tuple[int, int]:
-    try:
-        info = os.fstat(fd)
-    except OSError:
-        return (-1, -1)
-    return (info.st_dev, info.st_ino)
-
-
 class JsonlWriter:
     """Append-only JSONL stream; each `write` is one `os.write` of one whole line (O_APPEND).
 
@@ -117,7 +109,7 @@ class JsonlWriter:
         try:
             # never through a symlink, a hard link or a FIFO planted under the stream's name (safe_io)
             self._fd = safe_io.open_append(path)
-            self._id = _identity(self._fd)
+            self._id = safe_io.fd_identity(self._fd)
         except safe_io.Unsafe as exc:
             raise UserError(f"{path}: cannot write this stream ({exc.why})") from None
         except OSError as exc:
@@ -139,12 +131,12 @@ class JsonlWriter:
         # the watched script closed our descriptor (os.closerange(3, ...)), and its number may now be one
         # of the script's own files: never written to; the stream is opened again
         self._fd = safe_io.open_append(self.path)
-        self._id = _identity(self._fd)
+        self._id = safe_io.fd_identity(self._fd)
         os.write(self._fd, line)
 
     def _ours(self) -> bool:
         """The descriptor is still the stream this writer opened (1 fstat, ~1 us a record)."""
-        return _identity(self._fd) == self._id
+        return safe_io.fd_identity(self._fd) == self._id
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -31,6 +31,8 @@ import signal
 import threading
 from collections.abc import Callable
 
+from ciuic_doctor.safe_io import fd_identity
+
 _LISTENERS: dict[int, list[Callable[[], None]]] = {}  # signal number -> run on the helper thread
 _HELPER: dict[str, bool] = {"listening": False}
 
@@ -98,6 +100,14 @@ def install(on_end: Callable[[str, int], None]) -> Callable[[], None]:
     return remove
 
 
+def _close_if(fd: int, identity: tuple[int, int] | None) -> None:
+    """Close `fd` only if it is still open on `identity` (a script that ran os.closerange may have
+    reused the number for a file of its own)."""
+    if identity is not None and fd_identity(fd) == identity:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _watch_sigterm(
     end_once: Callable[[str, int], None], exit_now: Callable[[int], None]
 ) -> Callable[[], None]:
@@ -112,6 +122,7 @@ def _watch_sigterm(
         return lambda: None
     signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the helper thread acts on it
     stop = threading.Event()
+    pipe = fd_identity(read_fd)  # both ends share the pipe's inode
 
     def wait_for_sigterm() -> None:
         while True:
@@ -120,8 +131,9 @@ def _watch_sigterm(
             except OSError:
                 return
             if not data or stop.is_set():
-                with contextlib.suppress(OSError):  # a script that closed every inherited fd closed it
-                    os.close(read_fd)
+                # EOF without `stop`: the script closed every inherited fd (os.closerange), ours too, and
+                # the number may be its own file now: close only what is still our pipe
+                _close_if(read_fd, pipe)
                 return
             for signum in data:
                 for listener in list(_LISTENERS.get(signum, ())):
@@ -151,9 +163,9 @@ def _watch_sigterm(
             if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
-        with contextlib.suppress(OSError):
-            os.write(write_fd, b"\0")  # wakes the helper, which sees `stop` and ends
-        with contextlib.suppress(OSError):  # the script may have closed it (os.closerange)
-            os.close(write_fd)
+        if fd_identity(write_fd) == pipe:  # else the script closed it and the number is another file now
+            with contextlib.suppress(OSError):
+                os.write(write_fd, b"\0")  # wakes the helper, which sees `stop` and ends
+        _close_if(write_fd, pipe)
 
     return remove

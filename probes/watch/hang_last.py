@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ciuic_doctor.safe_io import fd_identity
+
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
@@ -62,6 +64,7 @@ def install(path: Path) -> Callable[[], None]:
     from ciuic_doctor.safe_io import open_truncated
 
     fd = open_truncated(path)  # never through a symlink or hard link planted under its name
+    ours = fd_identity(fd)  # a script that runs os.closerange may reuse the number for its own file
     count = [0]
     sites: dict[tuple[Any, int], str] = {}  # (code, line) -> the record's constant part, as JSON
     previous: dict[tuple[Any, int], str] = {}  # (code, line) -> its sizes last time
@@ -84,7 +87,9 @@ def install(path: Path) -> Callable[[], None]:
                     f'"prev_sizes": {previous.get(key, "null")}}}'
                 )
                 previous[key] = sizes
-                if len(line) < RECORD_BYTES:  # a huge list of tensors: keep the last record that fit
+                if (
+                    len(line) < RECORD_BYTES and fd_identity(fd) == ours
+                ):  # a huge list: keep the last that fit
                     os.pwrite(fd, line.ljust(RECORD_BYTES - 1).encode() + b"\n", 0)
             except Exception:
                 pass
@@ -99,6 +104,7 @@ def install(path: Path) -> Callable[[], None]:
     def undo() -> None:
         for name, original in originals.items():
             setattr(dist, name, original)
-        os.close(fd)
+        if fd_identity(fd) == ours:
+            os.close(fd)
 
     return undo

@@ -202,7 +202,8 @@ def test_mp_spawn_ranks_record_their_own_streams(tmp_path):
     assert all(r["weights_checksum"] is not None and r["desync_ranks"] == [] for r in step1)
     watch = RunDir.open(out).read_meta()["probes"]["watch"]
     assert (watch["status"], watch["children"], watch["steps_all_processes"]) == ("finished", 2, 8)
-    assert "2 process(es) the script started recorded 8 more" in done.stderr
+    assert "2 process(es) the script started recorded their steps" in done.stderr
+    assert "(rank 0: 4, rank 1: 4 step records this run)" in done.stderr  # what each rank's file holds
 
 
 RERUN = """

@@ -198,7 +198,8 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
             f"{STEADY_AFTER_STEPS} steps, where grad norms from initialisation are largest): "
             f"{int(healthy.sum())} steady steps here, need > {GRAD_NORM_RULE.min_history}"
         )
-        return [_finding("clipping", "not_run", summary, {"steady_points": int(healthy.sum())})]
+        evidence = {"steady_points": int(healthy.sum()), "clip_max_norm": clip}  # the threshold in force
+        return [_finding("clipping", "not_run", summary, evidence)]
     values = curve.grad_norm[healthy]
     steady = (int(np.min(curve.step[healthy])), int(np.max(curve.step[healthy])))
     based = f"from {len(values)} steady steps ({steady[0]}–{steady[1]})"

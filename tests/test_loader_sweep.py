@@ -256,7 +256,7 @@ def test_ctrl_c_keeps_the_records_and_leaves_no_process(run_path, sig, code):
     exit 0)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ciuic_doctor", "loader-sweep", "--sample-cost-ms", "2", "--workers", "0,1,2",
-         "--budget", "600", "--local-world-size", "1", "--out", str(run_path)],
+         "--budget", "120", "--local-world-size", "1", "--out", str(run_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip

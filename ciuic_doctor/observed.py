@@ -17,13 +17,12 @@ observed one only (never the embedded DeepSeek config), and the job's name is th
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ciuic_doctor import safe_io
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
 
@@ -63,7 +62,7 @@ def merge_ranks(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     except OSError:
         return meta
     for name in names:
-        record = _read_small_json(path / name)
+        record = safe_io.read_json(path / name, max_bytes=RANK_FILE_MAX_BYTES)
         if isinstance(record, dict) and isinstance(record.get("job"), dict):
             others[int(RANK_FILE.match(name).group(1))] = record  # type: ignore[union-attr]
     if not others:
@@ -97,31 +96,6 @@ def _settings(record: dict[str, Any]) -> dict[str, Any]:
                 if key not in ("lr_ran", "env", "loaders"):
                     out[f"{section}.{key}"] = value
     return out
-
-
-def _read_small_json(path: Path) -> Any:
-    """A run file another process wrote: never through a symlink, at most RANK_FILE_MAX_BYTES."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        with os.fdopen(fd, "rb") as fh:
-            fd = -1
-            raw = fh.read(RANK_FILE_MAX_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        if fd != -1:
-            os.close(fd)
-    if len(raw) > RANK_FILE_MAX_BYTES:
-        return None
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
 
 
 def has_observed(meta: dict[str, Any]) -> bool:

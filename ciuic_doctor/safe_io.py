@@ -35,7 +35,7 @@ import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 MAX_JSON_BYTES = 64 * 2**20
 MAX_TEXT_BYTES = 16 * 2**20
@@ -168,6 +168,17 @@ def read_bytes(path: Path, *, max_bytes: int, root: Path | None = None) -> bytes
 def read_text(path: Path, *, max_bytes: int, root: Path | None = None) -> str:
     """The file as text; bytes that are not UTF-8 become U+FFFD (a dump is data, not a decoding test)."""
     return read_bytes(path, max_bytes=max_bytes, root=root).decode("utf-8", errors="replace")
+
+
+def read_json(path: Path, *, max_bytes: int, root: Path | None = None) -> Any:
+    """A small JSON file another process wrote, or None: not a regular file, a symlink, over `max_bytes`,
+    unreadable or not JSON (a file being written is tried again at the next look)."""
+    import json
+
+    try:
+        return json.loads(read_bytes(path, max_bytes=max_bytes, root=root))
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 def lines(fh, *, max_line: int = MAX_LINE_BYTES) -> Iterator[bytes | None]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ciuic_doctor.safe_io import read_json
+
 BUSY_FRACTION = 0.05  # CPU seconds per wall second that count as working (a thread blocked in a wait: ~0)
 _STDLIB = os.path.dirname(os.__file__)
 _OWN = (str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2] / "ciuic_doctor"))
@@ -157,25 +159,12 @@ def peer_waits(run_path: Path, rank: int, since_t: float) -> int | None:
         parts = path.name.split(".")
         if len(parts) != 3 or parts[1] == f"rank{rank}":
             continue
-        dump = _read_dump(path)
+        dump = read_json(path, max_bytes=PEER_DUMP_MAX_BYTES)
         if not isinstance(dump, dict) or dump.get("resumed_t"):
             continue
         if dump.get("reason") in ("no-progress", "collective-error") and (dump.get("t") or 0) > since_t:
             return int(parts[1].removeprefix("rank")) if parts[1].removeprefix("rank").isdigit() else None
     return None
-
-
-def _read_dump(path: Path) -> Any:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            raw = fh.read(PEER_DUMP_MAX_BYTES + 1)
-        return json.loads(raw) if len(raw) <= PEER_DUMP_MAX_BYTES else None
-    except (OSError, ValueError, RecursionError):
-        return None
 
 
 def fr_status() -> dict[str, Any] | None:

@@ -314,8 +314,8 @@ def step_time_ab(args: argparse.Namespace, tmp: Path, table: dict[str, str]) -> 
     for key, what in FIGURES.items():
         ratios = pair_ratios(windows["A"][key], windows["B"][key])
         name = f"B/A {key}"
-        if len(ratios) < 3:
-            table[name] = f"not measured: {len(ratios)} usable pairs (the job made no steps?)"
+        if len(ratios) < 2:
+            table[name] = f"not measured: {len(ratios)} usable pair(s), 2+ needed (windows with steps)"
             continue
         ratio, low, high = paired_interval(ratios)
         table[name] = f"{ratio:.4f}  95 % [{low:.4f}, {high:.4f}]  {what}"

@@ -17,13 +17,16 @@
    - headroom (default, the representative setup): a GPU job's ranks wait on their GPUs and leave the
      host's cores partly idle. Here: 1 rank, OMP_NUM_THREADS=1, the whole job (agent, rank, DataLoader
      workers) pinned to CPU 0 with taskset; export, top, tmux and the scraper pinned to the other CPUs.
+     On a machine others load past its cores there is no spare core: `--job-nice -10` (root) gives the
+     job's CPU back to the job; the table warns when the load says the headroom was not there.
    - saturated (worst case): 2 ranks with torch's default threads, everything unpinned: every core busy, so
      the job pays about the tools' CPU share of the machine's cores.
 2. The exporter's own CPU on 8 ranks (goal <= 2 % of one core): 8 watched ranks of a light training script,
    `export --interval 1` scraped every second for --cpu-s seconds; its CPU time from /proc over wall time.
 
     .venv/bin/python benchmarks/live_overhead.py [--mode headroom|saturated] [--pairs 30] [--window-s 5]
-                                                 [--settle-s 1] [--cpu-s 60] [--skip-ab] [--skip-cpu]
+                                                 [--settle-s 1] [--job-nice 0] [--cpu-s 60]
+                                                 [--skip-ab] [--skip-cpu]
 
 Defaults take ~8 min on a quiet 2-core machine. Prints one line per window, then one table with the
 setup, the load average before and after, both results and their goals; exit 0 either way (a benchmark
@@ -75,6 +78,13 @@ LIGHT_SCRIPT = textwrap.dedent(
             if time.time() >= end:
                 break
     """
+)
+
+
+# --control: burns ~2.4 % of a core (12 ms every ~0.5 s), what export + top took, touching no process
+BURNER = (
+    "import time\nwhile True:\n    t = time.process_time()\n"
+    "    while time.process_time() - t < 0.012: pass\n    time.sleep(0.5)"
 )
 
 
@@ -159,17 +169,19 @@ def run_seconds(pids: list[int]) -> float:
 class Tools:
     """export + an interactive top in a private tmux server, started once, stopped and continued."""
 
-    def __init__(self, agent: int, port: int, cpus: set[int] | None) -> None:
+    def __init__(self, agent: int, port: int, cpus: set[int] | None, control: bool = False) -> None:
         pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
         self.socket = f"ciuic-bench-{os.getpid()}"
+        command = [*CLI, "export", "--pid", str(agent), "--port", str(port), "--address", "127.0.0.1",
+                   "--interval", "1"]  # fmt: skip
+        if control:  # no reads of the job at all: only the tools' CPU share, burnt on the tools' CPU
+            command = [sys.executable, "-c", BURNER]
         self.exporter = subprocess.Popen(
-            [*pin, *CLI, "export", "--pid", str(agent), "--port", str(port), "--address", "127.0.0.1",
-             "--interval", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [*pin, *command], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.top: list[int] = []
         self.tmux_server: list[int] = []
-        if shutil.which("tmux"):
+        if shutil.which("tmux") and not control:
             top = " ".join([*pin, *CLI, "top", "--pid", str(agent), "--interval", "1"])
             tmux = ["tmux", "-L", self.socket]
             subprocess.run([*pin, *tmux, "new-session", "-d", "-x", "200", "-y", "40", top], check=True)
@@ -201,8 +213,10 @@ class Tools:
         self.exporter.wait()
 
 
-def start_job(mode: str, run: Path, job_cpus: set[int] | None) -> subprocess.Popen:
+def start_job(mode: str, run: Path, job_cpus: set[int] | None, nice: int) -> subprocess.Popen:
     pin = ["taskset", "-c", ",".join(map(str, sorted(job_cpus)))] if job_cpus else []
+    if nice:
+        pin = ["nice", "-n", str(nice), *pin]
     nproc = "1" if mode == "headroom" else "2"
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if mode == "headroom" else dict(os.environ)
     return subprocess.Popen(
@@ -248,7 +262,7 @@ def step_time_ab(args: argparse.Namespace, tmp: Path, table: dict[str, str]) -> 
         job_cpus, tool_cpus = {cpus[0]}, set(cpus[1:])
         os.sched_setaffinity(0, tool_cpus)  # the scraper (this process) shares the tools' CPUs
     run = tmp / "ab"
-    job = start_job(args.mode, run, job_cpus)
+    job = start_job(args.mode, run, job_cpus, args.job_nice)
     tools = None
     windows: dict[str, dict[str, list[float]]] = {side: {k: [] for k in FIGURES} for side in "AB"}
     cpu_b = {"export": 0.0, "top": 0.0, "tmux": 0.0}
@@ -261,7 +275,7 @@ def step_time_ab(args: argparse.Namespace, tmp: Path, table: dict[str, str]) -> 
             time.sleep(1)
         ranks = rank_pids(job.pid)
         port = free_port()
-        tools = Tools(job.pid, port, tool_cpus)
+        tools = Tools(job.pid, port, tool_cpus, control=args.control)
         time.sleep(5.0)  # their start-up (imports, first walk) is not the steady cost
         for index in range(2 * args.pairs + 1):
             attached = index % 2 == 1
@@ -300,9 +314,11 @@ def step_time_ab(args: argparse.Namespace, tmp: Path, table: dict[str, str]) -> 
         if args.mode == "headroom"
         else f"2 ranks, default torch threads, nothing pinned, {len(cpus)} CPUs (worst case)"
     )
-    table["setup"] = f"{args.mode}: {setup}"
+    table["setup"] = f"{args.mode}: {setup}" + (f"; job at nice {args.job_nice}" if args.job_nice else "")
+    if args.control:
+        table["setup"] += "; CONTROL: B = a CPU burner, not the tools (export CPU = the burner's)"
     busy = max(load_at_start, os.getloadavg()[0])
-    if args.mode == "headroom" and busy >= len(cpus):
+    if args.mode == "headroom" and busy >= len(cpus) and args.job_nice >= 0:
         table["  warning"] = (
             f"load {busy:.1f} >= {len(cpus)} CPUs: no core is spare, other processes move onto the job's CPU "
             "when the tools take theirs; this is the saturated case, not headroom"
@@ -378,6 +394,16 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=5.0)
     parser.add_argument("--settle-s", type=float, default=1.0)
     parser.add_argument("--cpu-s", type=float, default=60.0)
+    parser.add_argument(
+        "--job-nice", type=int, default=0,
+        help="run the job at this niceness; on a shared machine a negative one (root) keeps other users' "
+        "processes off the job's CPU, so headroom mode keeps its spare core (the tools stay at 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--control", action="store_true",
+        help="B runs a CPU burner of the tools' share on their CPU instead of the tools: the machine's own "
+        "effect of that CPU use (on a loaded host, others' processes pushed onto the job's CPU)",
+    )  # fmt: skip
     parser.add_argument("--skip-ab", action="store_true")
     parser.add_argument("--skip-cpu", action="store_true")
     args = parser.parse_args()

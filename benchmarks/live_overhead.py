@@ -215,6 +215,8 @@ class Tools:
     def close(self) -> None:
         self.signal(signal.SIGCONT)
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, check=False)
+        with contextlib.suppress(OSError):  # the server's socket file outlives it
+            Path(os.environ.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}", self.socket).unlink()
         self.exporter.terminate()
         self.exporter.wait()
 

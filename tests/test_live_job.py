@@ -152,6 +152,17 @@ def test_top_once_shows_both_ranks_with_pids_and_live_figures(job) -> None:
         assert cells["STATUS"] in (("straggler", "overflows") if rank == 1 else ("overflows",)), text
         assert cells["SKIP"] == str(OVERFLOWS), text
     assert f"rank 0: {OVERFLOWS} skipped steps in the last 100" in text
+    # tokens/s: each rank's is its records' tokens a step times its steps/s; the header sums the ranks
+    per_rank = {}
+    for rank, pid in job["ranks"].items():
+        cells = dict(zip(header, rank_line(text, rank, pid), strict=False))
+        last = json.loads((job["run"] / f"steps.rank{rank}.jsonl").read_text().splitlines()[-1])
+        expected = last["tokens"] * float(cells["STEP/S"])  # a fixed batch: the same tokens every step
+        per_rank[rank] = float(cells["TOK/S"])
+        assert per_rank[rank] == pytest.approx(expected, rel=0.03, abs=2), (cells, last["tokens"])
+    total = re.search(r"tokens/s (\d+)  ", text)
+    assert total, text
+    assert int(total.group(1)) == pytest.approx(sum(per_rank.values()), abs=2)
     # a rank's own PID finds the same job; so does the run directory being written
     by_rank = top_once("--pid", str(job["ranks"][1]), "--interval", "0.2")
     by_run = top_once(str(job["run"]), "--interval", "0.2")
@@ -257,6 +268,14 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
         assert {s["metric"]["job"] for s in series} == {"livetest"}
         assert {s["metric"]["local_rank"] for s in series} == {"0", "1"}
         assert not any("pid" in key or "step" in key for s in series for key in s["metric"])
+        # tokens/s (issue 27's `tokens` in the job's step records): a gauge per rank, the dashboard's total
+        tokens = _prometheus_query(prom_port, "ciuic_rank_tokens_per_second > 0")
+        assert sorted(s["metric"]["rank"] for s in tokens) == ["0", "1"]
+        total = _prometheus_query(prom_port, 'sum by (job) (ciuic_rank_tokens_per_second{job=~"livetest"})')
+        assert len(total) == 1
+        assert float(total[0]["value"][1]) == pytest.approx(sum(float(s["value"][1]) for s in tokens))
+        counted = _prometheus_query(prom_port, "rate(ciuic_rank_tokens_total[10s]) > 0")
+        assert sorted(s["metric"]["rank"] for s in counted) == ["0", "1"]
         storms = wait_for(  # overflows at steps 4..9 stay in the 100-step window for 60+ s at 0.6 s a step
             "the overflow-storm alert firing",
             lambda: _prometheus_query(
@@ -266,12 +285,16 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
             every_s=1,
         )
         assert sorted(a["metric"]["rank"] for a in storms) == ["0", "1"]
-        stragglers = wait_for(
-            "the straggler gauge",
-            lambda: _prometheus_query(prom_port, "ciuic_rank_straggler == 1"),
+        stragglers = wait_for(  # the repo's rule (its 5 min debounce set to 0 s) on the straggler gauge
+            "the straggler alert firing",
+            lambda: _prometheus_query(
+                prom_port, 'ALERTS{alertname="CiuicRankStraggler", alertstate="firing"}'
+            ),
             timeout_s=240,
+            every_s=1,
         )
         assert [s["metric"]["rank"] for s in stragglers] == ["1"]
+        assert stragglers[0]["metric"]["severity"] == "warning"
         skipped = _prometheus_query(prom_port, "ciuic_rank_skipped_steps_total")
         assert sorted((s["metric"]["rank"], s["value"][1]) for s in skipped) == [("0", "6"), ("1", "6")]
         with stopped(job["ranks"][1]):

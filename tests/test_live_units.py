@@ -266,6 +266,49 @@ def test_metrics_follow_prometheus_conventions_and_the_rank_cap() -> None:
     assert 'step="' not in text
 
 
+def test_tokens_per_second_per_rank_for_the_job_and_as_series(tmp_path: Path) -> None:
+    """Rank 0 trains 512 tokens a step, one step a second (step 6 without the field: no tokens counted);
+    rank 1's records carry no tokens: shown "-", no series, and the header says the total is partial."""
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from ciuic_doctor.live.metrics import ExportConfig, Sampled
+    from ciuic_doctor.live.view import _job_figures
+
+    (tmp_path / "steps.rank0.jsonl").write_text(
+        "".join(_line(s, step_time_s=1.0, **({} if s == 6 else {"tokens": 512})) for s in range(1, 12))
+    )
+    (tmp_path / "steps.rank1.jsonl").write_text("".join(_line(s, step_time_s=1.0) for s in range(1, 12)))
+    tail = StepsTail(tmp_path)
+    windows = tail.poll()
+    figures = {r: windows[r].figures(1012.0) for r in (0, 1)}
+    assert figures[0]["tokens_per_s"] == pytest.approx(9 * 512 / 10)  # steps 2..11 less 6, over 10 s
+    assert figures[1]["tokens_per_s"] is None
+    frame = _frame(2)
+    for row in frame.rows:
+        row.figures = figures[row.rank]
+    _job_figures(frame, windows)
+    text = as_text(frame)
+    assert "tokens/s 461 (1 of 2 ranks)" in text
+    header = next(line for line in text.splitlines() if line.split()[:2] == ["RANK", "PID"]).split()
+    cells = {line.split()[0]: dict(zip(header, line.split(), strict=False)) for line in text.splitlines()
+             if line.split()[:2] in (["0", "5000"], ["1", "5001"])}  # fmt: skip
+    assert (cells["0"]["TOK/S"], cells["1"]["TOK/S"]) == ("461", "-")
+    live = SimpleNamespace(tails={tmp_path: tail}, host="node-0", update=lambda: frame)
+    sampled = Sampled(live, ExportConfig(job="j1"))
+    sampled.sample_once()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(sampled)
+    series = [line for line in generate_latest(registry).decode().splitlines() if "tokens" in line]
+    assert "# TYPE ciuic_rank_tokens_per_second gauge" in series
+    assert "# TYPE ciuic_rank_tokens_total counter" in series
+    values = {line.split("{")[0]: line for line in series if not line.startswith("#")}
+    assert 'rank="0"' in values["ciuic_rank_tokens_per_second"]
+    assert values["ciuic_rank_tokens_per_second"].endswith(" 460.8")
+    assert values["ciuic_rank_tokens_total"].endswith(" 5120.0")  # 10 records with tokens
+    assert not any('rank="1"' in line for line in series)
+
+
 def test_environ_reading_keeps_only_the_rank_keys() -> None:
     from ciuic_doctor.live.discover import read_environ
 

@@ -63,8 +63,11 @@ RANK_METRICS: tuple[tuple[str, str, str, Any], ...] = (
      lambda r: r.figures.get("loss_scale")),
     ("ciuic_rank_skipped_steps_total", "counter", "skipped steps seen since the exporter started",
      lambda r: r.figures.get("skipped_seen")),
-    ("ciuic_rank_tokens_per_second", "gauge", "median tokens/s of the last 50 steps",
+    ("ciuic_rank_tokens_per_second", "gauge", "tokens the rank trained per second over its last 50 steps",
      lambda r: r.figures.get("tokens_per_s")),
+    ("ciuic_rank_tokens_total", "counter",
+     "tokens in the step records read since the exporter started (its first look: ~2,000 steps back)",
+     lambda r: r.figures.get("tokens_seen")),
 )  # fmt: skip
 
 GPU_METRICS: tuple[tuple[str, str, str], ...] = (
@@ -107,6 +110,7 @@ class Sampled:
                 (t.windows.get(row.rank) for t in self.live.tails.values() if row.rank in t.windows), None
             )
             row.figures["skipped_seen"] = window.skipped_seen if window is not None else None
+            row.figures["tokens_seen"] = (window.tokens_seen or None) if window is not None else None
         with self._lock:
             self.frame, self.sampled_at = frame, time.monotonic()
             self.sample_cpu_s += time.thread_time() - started

@@ -142,6 +142,13 @@ def distribution(rows: list[Row]) -> str:
     )
 
 
+def _partial(frame: Frame) -> str:
+    """' (k of n ranks)' when only some ranks record tokens: the sum is then not the job's."""
+    if 0 < frame.tokens_ranks < len(frame.rows):
+        return f" ({frame.tokens_ranks} of {len(frame.rows)} ranks)"
+    return ""
+
+
 def header_lines(frame: Frame, sort: str) -> list[str]:
     bad = sum(1 for r in frame.rows if r.verdict.status != "ok")
     clock = time.strftime("%H:%M:%S", time.localtime(frame.t))
@@ -151,7 +158,7 @@ def header_lines(frame: Frame, sort: str) -> list[str]:
         f"world size {num(frame.world_size, 'd')}  ranks here {len(frame.rows)}  "
         f"hosts {clean(','.join(frame.hosts)) or '-'}" + ("" if frame.alive else "  [job ended]"),
         f"step {num(frame.step, 'd')}  steps/s {num(frame.steps_per_s, '.2f')}  "
-        f"tokens/s {num(frame.tokens_per_s, '.0f')}  "
+        f"tokens/s {num(frame.tokens_per_s, '.0f')}{_partial(frame)}  "
         f"attention {bad} rank(s)  sort: {sort}  run {run}",
     ]
     if frame.step_time_series:

@@ -85,11 +85,6 @@ class StepWindow:
             steps_per_s = (len(stamps) - 1) / (stamps[-1] - stamps[0])
         elif times:
             steps_per_s = 1 / statistics.median(times) if statistics.median(times) > 0 else None
-        tokens = [
-            float(r["tokens"]) / float(r["step_time_s"])
-            for r in list(self.records)[-50:]
-            if _finite(r.get("tokens")) and _finite(r.get("step_time_s")) and r["step_time_s"] > 0
-        ]
         pre = self.column("pre_backward_s")[-50:]
         return {
             "step": last.get("step"),
@@ -100,8 +95,26 @@ class StepWindow:
             "grad_norm": last.get("grad_norm") if _finite(last.get("grad_norm")) else None,
             "loss_scale": last.get("loss_scale") if _finite(last.get("loss_scale")) else None,
             "skipped_in_window": sum(1 for r in self.records if r.get("skipped")),
-            "tokens_per_s": statistics.median(tokens) if tokens else None,
+            "tokens_per_s": self._tokens_per_s(),
         }
+
+    def _tokens_per_s(self) -> float | None:
+        """Tokens the rank trained per second of wall time over its last 50 steps, like steps/s: the tokens
+        of the steps after the first carrying `tokens`, over the time since it (a pause between steps, an
+        evaluation or a checkpoint, lowers it, as it lowers the job's throughput). A step without the field
+        after that counted no tokens (watch leaves it out at 0). With one step: its tokens / step time."""
+        recent = [r for r in list(self.records)[-50:] if _finite(r.get("t"))]
+        first = next((i for i, r in enumerate(recent) if _finite(r.get("tokens"))), None)
+        if first is None:
+            return None
+        span = recent[first:]
+        elapsed_s = float(span[-1]["t"]) - float(span[0]["t"])
+        if len(span) >= 2 and elapsed_s > 0:
+            return sum(float(r["tokens"]) for r in span[1:] if _finite(r.get("tokens"))) / elapsed_s
+        last = span[-1]
+        if _finite(last.get("step_time_s")) and last["step_time_s"] > 0:
+            return float(last["tokens"]) / float(last["step_time_s"])
+        return None
 
 
 def _finite(value: Any) -> bool:

@@ -53,7 +53,8 @@ class Frame:
     rows: list[Row]
     step: int | None = None
     steps_per_s: float | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: float | None = None  # summed over the ranks that record tokens (`tokens_ranks` of them)
+    tokens_ranks: int = 0
     step_time_series: list[float] = field(default_factory=list)
     loss_series: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -142,13 +143,17 @@ class LiveJob:
 
 def _job_figures(frame: Frame, windows: dict[int, StepWindow]) -> None:
     """Header figures: the newest step, the median steps/s, the summed tokens/s, and per step the slowest
-    rank's step time and the ranks' mean loss (the sparklines)."""
+    rank's step time and the ranks' mean loss (the sparklines).
+
+    The job's tokens/s is the sum of its ranks': right for data parallelism (each rank trains its own
+    tokens); tensor-parallel peers see the same tokens, so there it counts them once per peer."""
     steps = [r.figures["step"] for r in frame.rows if r.figures.get("step") is not None]
     frame.step = max(steps) if steps else None
     rates = [r.figures["steps_per_s"] for r in frame.rows if r.figures.get("steps_per_s")]
     frame.steps_per_s = statistics.median(rates) if rates else None
     tokens = [r.figures["tokens_per_s"] for r in frame.rows if r.figures.get("tokens_per_s")]
     frame.tokens_per_s = sum(tokens) if tokens else None
+    frame.tokens_ranks = len(tokens)
     per_step_time: dict[int, float] = {}
     per_step_loss: dict[int, list[float]] = {}
     for window in windows.values():

@@ -91,7 +91,9 @@ class Position:
 
 def run_status(meta: dict[str, Any]) -> str | None:
     """How the watched run ended (meta.json probes.watch.status: finished, failed, killed ...), if known."""
-    watch = (meta.get("probes") or {}).get("watch") if isinstance(meta.get("probes"), dict) else None
+    from ciuic_doctor.watch_end import watch_record  # a `running` record whose process is gone: ended
+
+    watch = watch_record(meta)
     return watch.get("status") if isinstance(watch, dict) and isinstance(watch.get("status"), str) else None
 
 

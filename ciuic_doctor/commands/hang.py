@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     status = run_status(run_dir.read_meta())
     findings = judge(files, run_status=status)
     if status not in (None, "running") and not args.json:  # how it ended comes first: finished is no hang
-        ended = run_dir.read_meta()["probes"]["watch"]
-        code = ended.get("exit_code")
-        print(f"the run {status}" + (f" (exit {code})" if isinstance(code, int) else "") + ".")
+        from ciuic_doctor.watch_end import describe, watch_record
+
+        print(f"the run {describe(watch_record(run_dir.read_meta()) or {})}.")
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

@@ -180,6 +180,10 @@ def run(args: argparse.Namespace) -> int:
             **({"set": args.set_items} if args.set_items else {}),
         },
     )
+    if session.rank == 0 and not args.child:  # records the end a fatal signal or SIGKILL leaves unsaid
+        from ciuic_doctor.probes.watch import sentinel
+
+        sentinel.start(session.run.path, session.rank)
     if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
         session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
     started = time.time()

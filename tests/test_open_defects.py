@@ -69,3 +69,19 @@ def test_a_step_of_2_70_or_an_infinite_time_is_counted_and_the_rest_analysed(tmp
     findings = json.loads(run_cli("analyze", str(run), "--json", timeout=300).stdout)
     assert not [f for f in findings if f["check"] == "records_readable"]
     assert {f["check"]: f["verdict"] for f in findings}["nonfinite_loss"] == "warn"
+
+
+def test_a_second_stability_out_into_the_same_run_is_refused_unless_it_is_the_same_log(tmp_path):
+    first, second = tmp_path / "a.log", tmp_path / "b.log"
+    first.write_text(logsynth.megatron_log(logsynth.make_run(60, seed=1)))
+    second.write_text(logsynth.megatron_log(logsynth.make_run(80, seed=2)))
+    out = tmp_path / "R"
+    assert run_cli("stability", str(first), "--out", str(out), timeout=300).returncode == 0
+    steps = (out / "steps.jsonl").read_text()
+    done = run_cli("stability", str(second), "--out", str(out), timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "already holds the import of" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert (out / "steps.jsonl").read_text() == steps  # the first import is intact
+    again = run_cli("stability", str(first), "--clip", "1.0", "--out", str(out), cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr  # the same log again (a new --clip): replaced

@@ -85,3 +85,32 @@ def test_a_second_stability_out_into_the_same_run_is_refused_unless_it_is_the_sa
     assert (out / "steps.jsonl").read_text() == steps  # the first import is intact
     again = run_cli("stability", str(first), "--clip", "1.0", "--out", str(out), cwd=tmp_path, timeout=300)
     assert again.returncode == 0, again.stderr  # the same log again (a new --clip): replaced
+
+
+def test_no_message_offers_force_to_a_command_without_it(tmp_path):
+    """The refusal of a non-empty --out offered --force to stability, compare, merge and hang, which have
+    none (argparse then refused it); each command's own parser decides whether it is offered."""
+    from ciuic_doctor.cli import build_parser
+
+    parsers = next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices).choices
+    has_force = {name: "--force" in p._option_string_actions for name, p in parsers.items()}
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine\n")
+    log = tmp_path / "t.log"
+    log.write_text(logsynth.megatron_log(logsynth.make_run(40)))
+    a, b = _steps(tmp_path / "a", 5), _steps(tmp_path / "b", 5)
+    argvs = {
+        "stability": [str(log)],
+        "compare": [str(a), str(b)],
+        "merge": [str(a), str(b)],
+        "hang": ["--pid", "1"],
+        "watch": ["--", "train.py"],
+    }
+    assert {name for name in argvs if not has_force[name]} == {"stability", "compare", "merge", "hang"}
+    for name, argv in argvs.items():
+        done = run_cli(name, "--out", str(foreign), *argv, timeout=120)
+        assert done.returncode == 2, (name, done.stderr)
+        assert "not empty and not a run directory" in done.stderr, (name, done.stderr)
+        assert ("--force" in done.stderr) == has_force[name], (name, done.stderr)
+        assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"], name

@@ -61,14 +61,7 @@ def attach(
         rank = int(os.environ.get("RANK", "0"))
     if rank == 0 and not child:
         run.record_environment()
-        import socket
-
-        from ciuic_doctor.watch_end import process_start
-
-        # pid, host and start time: a reader on this host can tell a run whose process is gone (watch_end)
-        pid = os.getpid()
-        where = {"pid": pid, "host": socket.gethostname(), "pid_start": process_start(pid)}
-        run.record_probe(probe, status="running", **where, **(probe_fields or {}))
+        run.record_probe(probe, status="running", **(probe_fields or {}))
     config = probe_watch.WatchConfig(
         checksum_every=checksum_every,
         uss_every=uss_every,

@@ -17,6 +17,7 @@ the last rule themselves when even the sentinel is gone (the OOM killer takes th
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 from typing import Any
@@ -32,6 +33,13 @@ _FATAL = {
     "Illegal instruction": "SIGILL",
 }
 ABNORMAL = ("failed", "interrupted", "killed", "crashed", "ended_unrecorded", "refused")
+
+
+def process_fields() -> dict[str, Any]:
+    """pid, host and start time of this process, for a `running` record whose end this process records
+    (`watch`, `job`): a reader on this host can then tell when it is gone without a record."""
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "pid_start": process_start(pid)}
 
 
 def process_start(pid: int) -> int | None:

@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.watch import observe as watch_observe
     from ciuic_doctor.probes.watch.session import run_script
     from ciuic_doctor.watch import attach
+    from ciuic_doctor.watch_end import process_fields
 
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         moe=not args.no_moe,
         moe_every=args.moe_every,
         probe_fields={
+            **process_fields(),  # a reader on this host can tell a run whose process is gone
             "argv": argv,
             "cwd": args.start_cwd,
             **({"set": args.set_items} if args.set_items else {}),

@@ -114,3 +114,33 @@ def test_no_message_offers_force_to_a_command_without_it(tmp_path):
         assert "not empty and not a run directory" in done.stderr, (name, done.stderr)
         assert ("--force" in done.stderr) == has_force[name], (name, done.stderr)
         assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"], name
+
+
+def _rss_run(path: Path, steps: int, mib_per_step: float) -> Path:
+    """One rank's steps with host RSS growing steadily from a 1 GiB level (watch's `rss` field)."""
+    from ciuic_doctor.store import RunDir
+
+    run = RunDir.create(path)
+    with run.writer("steps", rank=0, per_rank_file=True) as writer:
+        for step in range(1, steps + 1):
+            rss = 2**30 + int(mib_per_step * 2**20 * step) + (step % 3) * 2**19
+            writer.write({"step": step, "t": 1000.0 + 3 * step, "rss": rss, "step_time_s": 3.0})
+    return path
+
+
+def test_a_short_run_gets_no_memory_leak_verdict_a_long_one_does(tmp_path):
+    """A 16-step checkup's start-up growth (40 MiB/step, 3 s steps) was a FAIL: an OOM projected in 24 h
+    from 12 steady steps. Too short: not_run with the reason. The same growth over 60 steps: a leak."""
+    from ciuic_doctor.analysis import memory
+    from ciuic_doctor.store import RunDir
+
+    def host(run):
+        (leak,) = [f for f in memory.analyze(RunDir.open(run)) if f.check == "memory_leak"
+                   and f.evidence.get("kind") == "host"]  # fmt: skip
+        return leak
+
+    short = host(_rss_run(tmp_path / "short", 16, 40))
+    assert short.verdict == "not_run", short.summary
+    assert "run more steps" in short.summary
+    long = host(_rss_run(tmp_path / "long", 60, 40))
+    assert long.verdict in ("warn", "fail"), long.summary

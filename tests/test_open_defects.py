@@ -144,3 +144,36 @@ def test_a_short_run_gets_no_memory_leak_verdict_a_long_one_does(tmp_path):
     assert "run more steps" in short.summary
     long = host(_rss_run(tmp_path / "long", 60, 40))
     assert long.verdict in ("warn", "fail"), long.summary
+
+
+SHORT_SGD = """
+import sys, torch
+seed, lr = int(sys.argv[1]), float(sys.argv[2])
+torch.manual_seed(seed)
+model = torch.nn.Linear(16, 1)
+opt = torch.optim.SGD(model.parameters(), lr=lr)
+for step in range(12):
+    x = torch.randn(4, 16)  # batches of 4: a loss that jumps 10x from step to step
+    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_short_noisy_watched_run_is_not_divergent_a_blown_up_one_is(tmp_path):
+    """12 steps: seed 5 at lr 0.01 ends 3.8x its best 2-point block by chance and was a divergence FAIL
+    (23 of 40 seeds were); lr 0.3 blows up 400x and still fails."""
+    script = tmp_path / "short.py"
+    script.write_text(SHORT_SGD)
+    verdicts = {}
+    for name, lr in (("noisy", "0.01"), ("blown", "0.3")):
+        run = tmp_path / name
+        done = run_cli("watch", "--out", str(run), "--", str(script), "5" if name == "noisy" else "0", lr,
+                       timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        findings = json.loads(run_cli("analyze", str(run), "--json", timeout=300).stdout)
+        verdicts[name] = next(f for f in findings if f["check"] == "divergence")
+    assert verdicts["noisy"]["verdict"] != "fail", verdicts["noisy"]
+    assert verdicts["blown"]["verdict"] == "fail", verdicts["blown"]
+    assert "diverged" in verdicts["blown"]["summary"]

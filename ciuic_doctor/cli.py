@@ -94,7 +94,7 @@ def _prepare_out(args: argparse.Namespace) -> None:
     from ciuic_doctor.store import RunDir
 
     if Path(out).exists() or args.force:  # a missing folder is made by the command, once it runs
-        RunDir.create(out, force=args.force)
+        RunDir.create(out, force=args.force, force_option=True)
 
 
 def _run_command(argv: list[str] | None) -> int:

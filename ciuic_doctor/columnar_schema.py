@@ -119,7 +119,7 @@ class ReadPlan:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from ciuic_doctor.schemas import NONNEGATIVE, NUMBER_BOUND, SCHEMAS
+        from ciuic_doctor.schemas import MAX_WHOLE, NONNEGATIVE, NUMBER_BOUND, SCHEMAS, must_be_finite
 
         named = SCHEMAS.get(self.stream or "", {})
         nonnegative = NONNEGATIVE.get(self.stream or "", frozenset())
@@ -131,6 +131,12 @@ class ReadPlan:
                 continue
             column = table.column(column_field.name)
             magnitude = pc.abs(column)
+            whole = pa.types.is_integer(kind) and "number" not in named[column_field.name]
+            if whole and (pc.max(magnitude).as_py() or 0) > MAX_WHOLE:
+                return False
+            finite = pa.types.is_floating(kind) and must_be_finite(self.stream or "", column_field.name)
+            if finite and not pc.all(pc.or_kleene(pc.is_finite(column), pc.is_null(column))).as_py():
+                return False
             if pa.types.is_floating(kind):
                 magnitude = pc.if_else(pc.is_finite(column), magnitude, pa.scalar(0.0, kind))
             if (pc.max(magnitude).as_py() or 0) > NUMBER_BOUND:

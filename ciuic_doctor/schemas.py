@@ -368,6 +368,10 @@ def validate(stream: str, record: Any) -> str | None:
             return f"{name}: expected {want}, got {json_type(value)}"
         if allowed is not None and not _bounded(value):
             return f"{name}: beyond ±{NUMBER_BOUND:g}"
+        if allowed is not None and "number" not in allowed and not _whole_bounded(value):
+            return f"{name}: beyond ±2**53"
+        if allowed is not None and must_be_finite(stream, name) and _non_finite(value):
+            return f"{name}: not finite"
         if name in nonnegative and isinstance(value, int | float) and value < 0:
             return f"{name}: negative"
     return None
@@ -382,6 +386,33 @@ NONNEGATIVE: dict[str, frozenset[str]] = {
     "comm": frozenset({"bytes", "time_us", "busbw_gbps", "algbw_gbps"}),
     "steps": frozenset({"step_time_s", "pre_backward_s", "loss_scale", "tokens", "samples"}),
 }
+
+
+# A whole-number field (step, rank, schema, counts) beyond ±2**53 is off schema: a float64 no longer holds
+# it exactly, and a 64-bit column not at all past 2**63 (a `step` of 2**70 was dropped without a word).
+MAX_WHOLE = 2**53
+# Times, durations, sizes and rates are finite: an inf there is no measurement (a loss, a grad norm or a
+# loss scale of inf is one, and stays: it is a finding).
+_FINITE_SUFFIXES = ("_s", "_us", "_bytes", "_gbps")
+
+
+def must_be_finite(stream: str, name: str) -> bool:
+    """Whether a non-finite value of `name` is off schema (t, durations, sizes, rates, nonnegatives)."""
+    return name == "t" or name.endswith(_FINITE_SUFFIXES) or name in NONNEGATIVE.get(stream, ())
+
+
+def _non_finite(value: Any) -> bool:
+    return (isinstance(value, float) and not math.isfinite(value)) or (
+        isinstance(value, str) and value in NON_FINITE
+    )
+
+
+def _whole_bounded(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) <= MAX_WHOLE
+    if isinstance(value, list):
+        return all(_whole_bounded(v) for v in value[:10_000])
+    return True
 
 
 def _bounded(value: Any) -> bool:

@@ -209,12 +209,16 @@ class RunDir:
         return f"RunDir({str(self.path)!r})"
 
     @classmethod
-    def create(cls, path: str | Path, *, exist_ok: bool = True, force: bool = False) -> RunDir:
+    def create(
+        cls, path: str | Path, *, exist_ok: bool = True, force: bool = False, force_option: bool = False
+    ) -> RunDir:
         """A run directory to write into: created if missing, reused if it is already a run.
 
         A folder that is not empty and not a run (`--out /`, `--out ~/project`) is refused: writing there
         merged into its meta.json, appended to its .jsonl files and let `report` overwrite its own
         summary.md (issue 11). `force` takes it anyway and stamps meta.json, so it is a run from then on.
+        `force_option`: the command has --force, so the refusal may offer it (stability, hang, merge and
+        compare have none: their message must not send the user to an option that is refused).
         """
         path = Path(path)
         if path.exists() and not path.is_dir():
@@ -230,7 +234,8 @@ class RunDir:
             shown = ", ".join(sorted(foreign)[:3]) + (", ..." if len(foreign) > 3 else "")
             raise UserError(
                 f"--out {path}: not empty and not a run directory (holds {shown}); "
-                "choose a new or empty folder, or pass --force to write there anyway"
+                "choose a new or empty folder"
+                + (", or pass --force to write there anyway" if force_option else "")
             )
         run = cls(path)
         if foreign:  # forced: from now on it is a run, for every rank and every later command

@@ -132,19 +132,21 @@ def test_columnar_reader_drops_torn_lines_and_off_schema_records(tmp_path):
         {"rank": 0, "step": "two", "step_time_s": 0.5, "host": "h"},  # a string where an int belongs
         {"rank": 0, "step": 3, "step_time_s": [0.5], "host": 7},  # a list and a number, wrong
         {"rank": 0, "step": 4.0, "step_time_s": "inf", "host": "h"},  # 4.0 is a float, not a step number
-        {"rank": 0, "step": 5, "step_time_s": "inf", "host": "h", "free": "x"},  # "inf" is a float
+        {"rank": 0, "step": 5, "step_time_s": "inf", "host": "h", "free": "x"},  # no duration (issue 22)
+        {"rank": 0, "step": 6, "step_time_s": 0.25, "host": "h", "free": "x"},
     ]
     file.write_text("".join(json.dumps(r) + "\n" for r in lines) + "[1, 2]\n" + '{"rank": 0, "ste')
     read = frames.read_table([file], ("rank", "step", "step_time_s", "host", "free"))
-    assert read.table.column("step").to_pylist() == [1, 5]
-    assert read.table.column("step_time_s").to_pylist() == [0.5, float("inf")]
+    assert read.table.column("step").to_pylist() == [1, 6]
+    assert read.table.column("step_time_s").to_pylist() == [0.5, 0.25]
     assert read.table.column("free").to_pylist() == [2.5, None]
     assert read.dropped_lines == 2  # a JSON array is not a record; the torn line is not JSON
-    assert read.invalid_records == 3
+    assert read.invalid_records == 4
     assert read.invalid_reasons == {
         "step: expected int, got str": 1,
         "step_time_s: expected null or number, got list": 1,
         "step: expected int, got number": 1,
+        "step_time_s: not finite": 1,
     }
     assert read.nulled_values == {"free": 1}
 

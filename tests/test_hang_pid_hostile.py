@@ -106,7 +106,9 @@ for step in range(100000):
 
 
 @pytest.mark.slow
-def test_hang_pid_names_ddps_all_reduce_inside_backward_on_an_unwatched_job(tmp_path):
+@pytest.mark.parametrize("native", ["1", "0"], ids=["py-spy-native", "kernel-wchan"])
+def test_hang_pid_names_ddps_all_reduce_inside_backward_on_an_unwatched_job(tmp_path, native):
+    """With CIUIC_PYSPY_NATIVE=0 (as when py-spy --native is refused), /proc/<pid>/task/*/wchan says it."""
     if py_spy_binary() is None:
         pytest.skip("py-spy is not installed")
     script = tmp_path / "ddp_sleep.py"
@@ -117,8 +119,9 @@ def test_hang_pid_names_ddps_all_reduce_inside_backward_on_an_unwatched_job(tmp_
         while time.monotonic() < deadline and ev.get("kind") != "stall":
             time.sleep(3)  # until both ranks exist and rank 0 waits (observable: the judgement)
             done = run_cli(
-                "hang", "--pid", str(proc.pid), "--out", str(tmp_path / "pid"), "--json", timeout=120
-            )
+                "hang", "--pid", str(proc.pid), "--out", str(tmp_path / "pid"), "--json", timeout=120,
+                env={"CIUIC_PYSPY_NATIVE": native},
+            )  # fmt: skip
             if done.returncode == 2 and "ptrace" in done.stderr:
                 pytest.skip(done.stderr.strip())
             if done.stdout.startswith("["):
@@ -131,3 +134,11 @@ def test_hang_pid_names_ddps_all_reduce_inside_backward_on_an_unwatched_job(tmp_
     assert rows[0]["in_collective"], rows[0]
     assert rows[0]["op"] == "all_reduce", rows[0]
     assert "ddp_sleep.py:12" in rows[0]["call_site"], rows[0]  # loss.backward()
+    if native == "0":  # no C++ frame: the kernel's word for the wait is kept and shown
+        assert "futex" in rows[0]["kernel_wait"], rows[0]
+        assert "CIUIC_PYSPY_NATIVE=0" in rows[0]["kernel_wait"], rows[0]
+        spy = json.loads((tmp_path / "pid" / "hang.pyspy.json").read_text())
+        assert spy["ranks"]["0"]["native_error"] == "CIUIC_PYSPY_NATIVE=0"
+        assert any(t["name"].startswith("gloo") for t in spy["ranks"]["0"]["kernel"]), spy["ranks"]["0"]
+    else:
+        assert "kernel_wait" not in rows[0], rows[0]

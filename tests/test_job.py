@@ -6,6 +6,7 @@ import contextlib
 import doctest
 import importlib
 import itertools
+import json
 import math
 import os
 import signal
@@ -122,6 +123,13 @@ def fp16_leaky_run(tmp_path_factory):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return out, done
+
+
+def test_a_finished_job_closes_its_watch_record(fp16_leaky_run):
+    """meta.json said watch `running` after a finished job (issue 22): the job ends that record too."""
+    out, _ = fp16_leaky_run
+    watch = json.loads((out / "meta.json").read_text())["probes"]["watch"]
+    assert watch["status"] == "finished", watch
 
 
 def test_overflow_skips_steps_and_halves_the_scale(fp16_leaky_run):

@@ -45,6 +45,10 @@ def run_all(run: RunDir) -> list[Finding]:
             ran.append(name)
     if quality := records_finding(run):
         findings.append(quality)
+    from ciuic_doctor.analysis._run_end import run_end_finding
+
+    if (end := run_end_finding(run.read_meta())) is not None:  # a crash, a kill: said, never `running`
+        findings.append(end)
     findings = sort_findings(findings)
     run.write_json(
         FINDINGS_FILE,

@@ -30,6 +30,10 @@ from ciuic_doctor.findings import Finding
 from ciuic_doctor.store import as_float
 
 FAIL_HORIZON_S = 24 * 3600.0
+# Growth over fewer steady steps (after the warm-up) is not judged a leak: a short checkup (12-16 steps, 8-12
+# steady) got a memory_leak FAIL from start-up growth projected to an OOM within 24 h. 20 steady steps is
+# half the embedded job's default 40; a real leak keeps growing, and 20 steps tell it from a settling level.
+LEAK_MIN_SPAN_STEPS = 20
 # anon (RSS − file-backed − shmem) first: a leak grows it, while USS also rises when forked workers
 # un-share pages (copy-on-read) and RSS when a process reads a memory-mapped dataset (reclaimable)
 HOST_METRICS = ("anon", "uss", "rss")
@@ -226,9 +230,11 @@ def _one_leak_finding(kind: str, per_rank: list[Finding]) -> Finding:
     not_judged = sorted(f.where["rank"] for f in per_rank if f.verdict == "not_run")
     counts = {"ranks_checked": len(judged), "ranks_not_run": not_judged[:MAX_NAMED]}
     if not judged:
+        short = next((f.summary for f in per_rank if "run more steps" in f.summary), None)
         return _not_run(
             "memory_leak",
-            f"{kind} memory: too few points after warm-up on every one of {len(per_rank)} rank(s)",
+            f"{kind} memory: too few points after warm-up on every one of {len(per_rank)} rank(s)"
+            + (f" ({short})" if short else ""),  # growth seen, over too few steps to judge
             kind=kind,
             **counts,
         )
@@ -294,6 +300,16 @@ def _leak_finding(
         "level_end_bytes": round(trend.y_end),
         f"{'steps' if unit == 'step' else 'seconds'}_observed": round(trend.x_last - trend.x_first, 2),
     }
+    observed = trend.x_last - trend.x_first
+    if _grows(trend, LEAK_MIN_BYTES) and unit == "step" and observed < LEAK_MIN_SPAN_STEPS:
+        return _not_run(  # a short run's growth is start-up as often as a leak: no verdict, the reason
+            "memory_leak",
+            f"rank {rank} {kind} memory grew {trend.slope / MIB:.3f} MiB/step over only {observed:.0f} "
+            f"steady steps; a leak is judged over at least {LEAK_MIN_SPAN_STEPS} (the allocator and page "
+            "cache still grow that early), so run more steps to tell",
+            where=where,
+            **evidence,
+        )
     if _grows(trend, LEAK_MIN_BYTES) and (
         shifted := _level_shift_finding(series, trend, f"rank {rank} {kind} memory", evidence)
     ):

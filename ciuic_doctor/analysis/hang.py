@@ -87,11 +87,14 @@ class Position:
     moving: bool = False  # py-spy's two looks found it elsewhere: making progress, not stuck
     last_step: int | None = None  # its last step record
     last_collective: str | None = None  # its last Python collective (watch's record), if nobody saw it
+    kernel_wait: str | None = None  # hang --pid without C++ frames: what /proc/<pid>/wchan said (kernel.py)
 
 
 def run_status(meta: dict[str, Any]) -> str | None:
     """How the watched run ended (meta.json probes.watch.status: finished, failed, killed ...), if known."""
-    watch = (meta.get("probes") or {}).get("watch") if isinstance(meta.get("probes"), dict) else None
+    from ciuic_doctor.watch_end import watch_record  # a `running` record whose process is gone: ended
+
+    watch = watch_record(meta)
     return watch.get("status") if isinstance(watch, dict) and isinstance(watch.get("status"), str) else None
 
 
@@ -178,6 +181,8 @@ def positions(files: HangFiles) -> dict[int, Position]:
             pos.last_collective = f"{last.get('op')} {last.get('input_sizes')} from " + str(frame_text(last))
         frames = main_frames(threads)
         pos.frame = frame_text(user_frame(frames))
+        if frames and frames[0].get("native") and str(frames[0].get("file") or "").startswith("/proc/"):
+            pos.kernel_wait = str(frames[0].get("function"))
         if pos.in_collective is None and frames:
             op = collective_in(frames)
             pos.in_collective = op is not None
@@ -461,4 +466,5 @@ def _row(p: Position) -> dict[str, Any]:
         "error": p.error,
         "last_step": p.last_step,
         "last_collective": p.last_collective,
+        **({"kernel_wait": p.kernel_wait} if p.kernel_wait else {}),
     }

@@ -5,7 +5,9 @@ Checks (probe "memory"; evidence keys are the contract the report codes against)
 - `memory_leak`, per rank and kind (host | device): a robust trend (Theil–Sen, `_trend`) after a
   warm-up, against steps when the run has them (samples mapped to their rank's step by time), else
   against time. A leak needs all three: Mann–Kendall z ≥ 3, R² ≥ 0.5, and fitted growth over the
-  window ≥ max(16 MiB, 0.5 % of the level) — a flat noisy series fails at least one of them. Projection:
+  window ≥ max(16 MiB, 0.5 % of the level) — a flat noisy series fails at least one of them — and,
+  against steps, at least 20 steady steps (fewer: not_run saying so; a short checkup's start-up growth
+  was a FAIL). Projection:
   host headroom is the machine's available memory at the last sample, shared by every rank leaking on
   that host; device headroom is the device total minus what the rank holds. fail when the projection
   runs out within 24 h, else warn. Host series: memwatch's anon (RSS − file-backed − shmem), else USS,

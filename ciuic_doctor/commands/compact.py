@@ -65,8 +65,11 @@ def run(args: argparse.Namespace) -> int:
         raise Interrupted(signum)
 
     signal.signal(signal.SIGTERM, stop)
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    pool = ThreadPoolExecutor(max_workers=4)
+    try:
         results = [r for r in pool.map(one, todo) if r is not None]
+    finally:  # on SIGTERM or Ctrl-C the files not started are not started: the exit comes promptly
+        pool.shutdown(wait=True, cancel_futures=True)
     if not args.quiet:
         for r in results[:20]:
             print(

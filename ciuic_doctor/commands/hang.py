@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     status = run_status(run_dir.read_meta())
     findings = judge(files, run_status=status)
     if status not in (None, "running") and not args.json:  # how it ended comes first: finished is no hang
-        ended = run_dir.read_meta()["probes"]["watch"]
-        code = ended.get("exit_code")
-        print(f"the run {status}" + (f" (exit {code})" if isinstance(code, int) else "") + ".")
+        from ciuic_doctor.watch_end import describe, watch_record
+
+        print(f"the run {describe(watch_record(run_dir.read_meta()) or {})}.")
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:
@@ -81,9 +81,12 @@ def run(args: argparse.Namespace) -> int:
         hang = findings[0]
         for row in hang.evidence.get("ranks", []):
             where = row.get("frame") or "?"
-            inside = f"in {row['op']} #{row['seq']}" if row.get("in_collective") else "outside any collective"
+            seq = f" #{row['seq']}" if row.get("seq") is not None else ""
+            inside = f"in {row['op']}{seq}" if row.get("in_collective") else "outside any collective"
             line = f"  rank {row['rank']}: {row['state'] or 'unseen'} ({row['source']}), {inside}, at {where}"
             print(terminal(line))  # names from dump files: no escape sequence reaches the terminal
+            if row.get("kernel_wait"):  # hang --pid without C++ frames: the kernel's word for the wait
+                print(terminal(f"    native: {row['kernel_wait']}"))
         if hang.evidence.get("next"):
             print(f"\nnext: {hang.evidence['next']}")
         for problem in files.problems:

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.render_text import findings_table
 
     log = load(args.paths, check_format(args.format))
+    if args.clip is not None:  # kept in RUN/meta.json with --out: `analyze RUN` judges clipping the same way
+        log.clip_max_norm = args.clip
     findings = sort_findings(analyze_log(log, clip_max_norm=args.clip))
     wrote_steps = False
     if args.out:

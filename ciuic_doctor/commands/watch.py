@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.watch import observe as watch_observe
     from ciuic_doctor.probes.watch.session import run_script
     from ciuic_doctor.watch import attach
+    from ciuic_doctor.watch_end import process_fields
 
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)
@@ -175,11 +176,16 @@ def run(args: argparse.Namespace) -> int:
         moe=not args.no_moe,
         moe_every=args.moe_every,
         probe_fields={
+            **process_fields(),  # a reader on this host can tell a run whose process is gone
             "argv": argv,
             "cwd": args.start_cwd,
             **({"set": args.set_items} if args.set_items else {}),
         },
     )
+    if session.rank == 0 and not args.child:  # records the end a fatal signal or SIGKILL leaves unsaid
+        from ciuic_doctor.probes.watch import sentinel
+
+        sentinel.start(session.run.path, session.rank)
     if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
         session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
     started = time.time()

@@ -151,6 +151,7 @@ class StepLog:
             "loss_kind": self.loss_kind,
             "vocab_size": self.vocab_size,
             "settings": dict(self.settings),
+            "clip_max_norm": self.clip_max_norm,  # the log's, or `stability --clip`'s: analyze needs it again
         }
 
 

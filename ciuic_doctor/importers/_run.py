@@ -40,17 +40,36 @@ def write_run(run: RunDir, log: StepLog, paths: list[str | Path]) -> bool:
     resolved = {Path(p).resolve() for p in paths}
     if run.path.resolve() in resolved or (run.has_stream(STREAM) and not is_import(run)):
         return False
-    for old in run.stream_files(STREAM):  # a previous import into this RUN: replaced, not appended to
+    if run.has_stream(STREAM) and (before := _imported_paths(run)) != {str(p) for p in resolved}:
+        from ciuic_doctor.errors import UserError
+
+        raise UserError(
+            f"{run.path} already holds the import of {', '.join(sorted(before)) or 'another log'}; "
+            "give another --out (or import every log in one command); nothing was changed"
+        )
+    for old in run.stream_files(STREAM):  # the same logs imported again (a new --clip): replaced
         old.unlink()
     summary = log.summary()
     with run.writer(STREAM) as writer:
         for record in _records(log):
             writer.write(record)
     run.update_meta(
-        source={"paths": [str(p) for p in paths], "formats": summary["formats"], "import": summary},
+        source={
+            "paths": [str(p) for p in paths],
+            "resolved": sorted(str(p) for p in resolved),  # what a second import into RUN is checked against
+            "formats": summary["formats"],
+            "import": summary,
+        },
         observed={"precision": log.precision, "loss_scaler": dict(log.scaler)},
     )
     return True
+
+
+def _imported_paths(run: RunDir) -> set[str]:
+    """The logs RUN was imported from, resolved (older runs recorded the paths as given)."""
+    source = run.read_meta().get("source")
+    paths = source.get("resolved") or source.get("paths") if isinstance(source, dict) else None
+    return {str(Path(p).resolve()) for p in paths if isinstance(p, str)} if isinstance(paths, list) else set()
 
 
 def _records(log: StepLog):  # -> Iterator[dict]

@@ -173,6 +173,9 @@ def _apply_import(log: StepLog, summary: dict[str, Any]) -> None:
     vocab = as_float(summary.get("vocab_size"))
     log.vocab_size = int(vocab) if vocab is not None and math.isfinite(vocab) and vocab > 1 else None
     log.settings = dict(summary.get("settings") or {}) if isinstance(summary.get("settings"), dict) else {}
+    clip = as_float(summary.get("clip_max_norm"))
+    if clip is not None and math.isfinite(clip) and clip > 0:  # else the steps' own (watch's) stands
+        log.clip_max_norm = clip
 
 
 def _eval_points(raw: Any) -> list[tuple[int, float]]:

@@ -74,6 +74,7 @@ class JobProgress:
         """The run directory (the watch session's when one is recording), with watch attached."""
         from ciuic_doctor import watch
         from ciuic_doctor.launch import agree_on_run_dir
+        from ciuic_doctor.watch_end import process_fields
 
         active = watch.current()
         if active is not None:
@@ -86,7 +87,7 @@ class JobProgress:
                 run=self.run,
                 rank=self.world.rank,
                 moe_every=self.options.moe_every,
-                probe_fields={"script": "ciuic-doctor job"},
+                probe_fields={"script": "ciuic-doctor job", **process_fields()},
             )
             if self.lead:
                 self.session.add_listener(self._on_record)
@@ -166,12 +167,18 @@ class JobProgress:
                 }
             )
             self.run.record_probe("job", status="finished")
+            self._watch_ended("finished")
         self._finished = True
         losses = f"; loss {self.losses[0]:.4f} -> {self.losses[-1]:.4f}" if self.losses else ""
         self._print(
             f"done: step {trainer.step} in {loop_s:.1f} s (median {_num(median, '.3f')} s/step){losses}; "
             f"records in {self.run.path if self.run else '-'}"
         )
+
+    def _watch_ended(self, status: str) -> None:
+        """The job's watch record ends with the job (it said `running` after a finished job)."""
+        if self.options.watch and self.lead and self.run is not None and self.session is not None:
+            self.run.record_probe("watch", script="ciuic-doctor job", status=status)
 
     def failed(self, message: str | None) -> None:
         """A peer died or stopped responding: `message` names it (recorded by close)."""
@@ -181,6 +188,7 @@ class JobProgress:
         failure = {"message": self._failure} if self._failure else {}
         if not self._finished and (self.lead or failure) and self.run is not None:
             self.run.record_probe("job", status="failed", **failure)  # the records up to here stay
+            self._watch_ended("failed")
         if self.session is not None:
             self.session.close()
             self.session = None

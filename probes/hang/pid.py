@@ -27,6 +27,7 @@ import psutil
 from ciuic_doctor import fr_dump, safe_io
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
+from ciuic_doctor.probes.hang.kernel import native_enabled, waits_in_native
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
 from ciuic_doctor.probes.watch.hang_where import process_state
 from ciuic_doctor.store import RunDir, default_run_path
@@ -105,16 +106,31 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
             if not entry["moving"] and _ends_in_torch(entry["threads"]):
                 # its Python stack ends in a call into torch's C++ (backward, a collective's wait): the
                 # native frames say whether that is DDP's all_reduce inside backward
-                native, why = py_spy_stacks(ranks[rank].pid, native=True)
+                native, why = None, "CIUIC_PYSPY_NATIVE=0"
+                if native_enabled():
+                    native, why = py_spy_stacks(ranks[rank].pid, native=True)
                 if native:
                     entry["threads"] = native
                 else:
                     entry["native_error"] = why
+                    _kernel_look(entry, ranks[rank].pid, why or "py-spy --native gave nothing")
     run.write_json("hang.pyspy.json", record)
     refused = [e["error"] for e in record["ranks"].values() if e.get("error")]
     if refused and len(refused) == len(ranks) and not answered:
         raise UserError(refused[0])
     return run
+
+
+def _kernel_look(entry: dict[str, Any], pid: int, why: str) -> None:
+    """Without C++ frames: what the kernel says the rank's threads wait on (probes/hang/kernel.py), as an
+    innermost frame of its main thread plus the threads' own look (`kernel`)."""
+    seen = waits_in_native(pid, entry.get("threads"), why)
+    if seen is None:
+        return
+    entry["kernel"] = seen["kernel"]
+    for thread in entry.get("threads") or []:
+        if thread.get("main"):
+            thread["frames"] = [seen["frame"], *thread.get("frames", [])]
 
 
 def _wait_for_dumps(watched: dict[int, Path], *, since: float, wait_s: float) -> set[int]:

@@ -12,5 +12,6 @@ RUN/hang.rank<R>.json (+ .last.json, hang.fr/) when a rank stops making progress
     observe.py, observe_sections.py  the script's settings -> meta.json `observed`
     frameworks.py step numbers from Lightning / HF counters; children.py  ranks the script launches
     target.py     the script, directory or -m module watch runs; exit.py  how the process ended
+    sentinel.py   a process of its own recording an end no Python code sees (SIGSEGV, SIGKILL)
     hang.py, hang_last.py, hang_where.py  the hang watchdog; snapshot.py  CUDA allocator history on a leak
 """

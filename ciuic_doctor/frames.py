@@ -358,7 +358,7 @@ STREAM_COLUMNS = {
         *("rank", "step", "t", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks"),
         *("loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm", "rss", "uss"),
         *("mem_allocated", "mem_reserved", "mem_active_peak", "alloc_retries", "inactive_split_bytes"),
-        *("loss_scale_next", "optimizer"),
+        *("loss_scale_next", "optimizer", "tokens", "segment"),
     ),
     "memwatch": (
         *("t", "host", "pid", "role", "rank", "rss", "anon", "uss", "pss"),

@@ -294,11 +294,11 @@ def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
 
 
 def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[Part, bool]:
-    from ciuic_doctor.parquet_store import fresh_parquet, skipped_lines
+    from ciuic_doctor.parquet_store import fresh_parquet, invalid_reasons, skipped_lines
 
     parquet = fresh_parquet(path) if path.suffix == ".jsonl" else None
-    if parquet is not None:  # compact kept only valid records; the torn lines it skipped still count
-        return (_read_parquet(parquet, columns), skipped_lines(parquet), {}, {}), True
+    if parquet is not None:  # compact kept only valid records; what it left out still counts
+        return (_read_parquet(parquet, columns), skipped_lines(parquet), {}, invalid_reasons(parquet)), True
     return _read_jsonl(path, columns, stream), False
 
 

@@ -24,7 +24,8 @@ previous row's, divided by its growth in records (≤ 1.00: no faster than linea
     .venv/bin/python benchmarks/report_scale.py --cpu-only    # the issue-15 generator (no GPU fields)
 
 Runs are written under --root (default: a temporary folder; use /tmp, not the repository: 10,000 ranks
-is ~10 GB) and deleted after their row unless --keep.
+is ~10 GB) and deleted after their row unless --keep; --reuse takes a run kept under --root before
+(same name, rRANKSxSTEPS) instead of generating it again.
 """
 
 from __future__ import annotations
@@ -142,6 +143,12 @@ def main() -> None:
     )
     parser.add_argument("--root", help="where to generate the runs (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep each generated run")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="use a run already under --root (rRANKSxSTEPS, from an earlier --keep) instead of generating "
+        "it again, and keep it",
+    )
     parser.add_argument("--cpu-only", action="store_true", help="the issue-15 generator: no GPU fields")
     parser.add_argument("--browser", action="store_true", help="open each report.html in headless Chromium")
     parser.add_argument(
@@ -165,7 +172,12 @@ def main() -> None:
         plan = (
             scalesynth.Plan(ranks=ranks, steps=steps) if args.cpu_only else scalesynth.gpu_plan(ranks, steps)
         )
-        run = scalesynth.generate(root / f"r{ranks}x{steps}", plan)
+        run = root / f"r{ranks}x{steps}"
+        reused = args.reuse and (run / "meta.json").is_file()
+        t0 = time.perf_counter()
+        if not reused:
+            scalesynth.generate(run, plan)
+        made = "reused" if reused else f"generated in {time.perf_counter() - t0:.0f} s"
         stream_bytes = sum(p.stat().st_size for p in run.glob("*.jsonl"))
         records = records_of(run)
         load = os.getloadavg()[0]
@@ -193,10 +205,11 @@ def main() -> None:
             profile = root / f"r{ranks}x{steps}.prof"
             report(run, profile)
             print(f"    {hang_share(profile)}", flush=True)
-        if not args.keep:
+        print(f"    run {run}: {made}", flush=True)
+        if not (args.keep or args.reuse):
             shutil.rmtree(run)
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
-    if not args.root and not args.keep:
+    if not args.root and not (args.keep or args.reuse):
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -8,7 +8,8 @@ one JSON type; anything else (nested objects, lists, a field that is sometimes a
 "nan", integers beyond 64 bits) is stored as JSON text in a column named in the `ciuic.json_columns`
 metadata. `compact_file` reads the written file back and compares it with the row reader's records
 before it keeps it. Lines the row reader skips (a torn last line) are not records; their count is kept
-in `ciuic.skipped_lines`.
+in `ciuic.skipped_lines`; records off their stream's schema (dropped and counted by every reader) are
+not kept either, and their count per reason is kept in `ciuic.invalid_reasons`.
 
 Readers (`frames.read_stream`) use the Parquet file only while the JSONL file has the size and mtime
 recorded in `ciuic.source`, so a stream that grew after compaction is read from its JSONL again.
@@ -34,6 +35,7 @@ KEY_SEPARATOR = "\x1f"  # ASCII unit separator: cannot appear unescaped in a JSO
 SOURCE_KEY = b"ciuic.source"
 JSON_COLUMNS_KEY = b"ciuic.json_columns"
 SKIPPED_KEY = b"ciuic.skipped_lines"
+INVALID_KEY = b"ciuic.invalid_reasons"  # off-schema records left out, {reason: count}
 INT64_MAX = 2**63 - 1
 
 
@@ -77,6 +79,20 @@ def skipped_lines(path: Path) -> int:
     import pyarrow.parquet as pq
 
     return int((pq.read_metadata(path).metadata or {}).get(SKIPPED_KEY, b"0"))
+
+
+def invalid_reasons(path: Path) -> dict[str, int]:
+    """The off-schema records `compact` left out of a Parquet copy, per reason (none for older copies)."""
+    import pyarrow.parquet as pq
+
+    raw = (pq.read_metadata(path).metadata or {}).get(INVALID_KEY, b"{}")
+    try:
+        reasons = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(reasons, dict):
+        return {}
+    return {str(k): v for k, v in reasons.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
 def _kind(value: Any) -> str:
@@ -158,6 +174,7 @@ def compact_file(jsonl: Path) -> CompactResult:
         SOURCE_KEY: stamp,
         JSON_COLUMNS_KEY: json.dumps(as_json).encode(),
         SKIPPED_KEY: str(read.skipped_lines).encode(),
+        INVALID_KEY: json.dumps(read.invalid_reasons).encode(),
     }
     table = table.replace_schema_metadata(metadata)
     target = parquet_path(jsonl)

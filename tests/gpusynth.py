@@ -18,9 +18,12 @@ rss, anon and uss grow together) and a rank whose allocator cache grows while al
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tests.synthtext import choose, fixed, integers, text
 
 if TYPE_CHECKING:
     import numpy as np
@@ -42,6 +45,12 @@ SHM_TOTAL_BYTES = 512 * GIB
 
 def step_lines(plan: Plan, rank: int, columns: dict[str, np.ndarray], rng: np.random.Generator) -> str:
     """One rank's steps file: every field watch writes on a CUDA rank, in watch's key order."""
+    return step_texts(plan, [step_columns(plan, rank, columns, rng)])[0].decode()
+
+
+def step_columns(plan: Plan, rank: int, columns: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+    """`columns` (scalesynth's timing, loss and host memory of the rank) with the CUDA allocator's
+    figures drawn for it; formatted by `step_texts`, many ranks at a time."""
     import numpy as np
 
     n = plan.steps
@@ -54,25 +63,66 @@ def step_lines(plan: Plan, rank: int, columns: dict[str, np.ndarray], rng: np.ra
     if rank == plan.grower_rank:
         reserved = reserved + (plan.grower_mib_per_step * MIB * steps).astype(np.int64)
     peak = np.maximum.accumulate(peak)
-    rss, uss = columns["rss"], columns["uss"]
-    checksum_every = CHECKSUM_EVERY_GPU
-    out = []
-    t, step_time, pace = columns["t"], columns["step_time_s"], columns["pre_backward_s"]
-    loss, lr, grad = columns["loss"], columns["lr"], columns["grad_norm"]
-    for i, step in enumerate(steps.tolist()):
-        checksum = f"{1234.5 + step * 0.25!r}" if step == 1 or (step - 1) % checksum_every == 0 else "null"
-        uss_value = str(int(uss[i])) if (step - 1) % USS_EVERY == 0 else "null"
-        out.append(
-            f'{{"schema":1,"t":{t[i]:.4f},"host":"{plan.host_of(rank)}","rank":{rank},"step":{step},'
-            f'"step_time_s":{step_time[i]:.5f},"pre_backward_s":{pace[i]:.5f},"loss":{loss[i]:.5f},'
-            f'"lr":{lr[i]:.6g},"grad_norm":{grad[i]:.4f},"grad_norm_source":"clip_grad_norm_",'
-            f'"clip_max_norm":1.0,"loss_scale":null,"skipped":false,"backward_calls":1,'
-            f'"mem_allocated":{int(allocated[i])},"mem_reserved":{int(reserved[i])},'
-            f'"mem_active_peak":{int(peak[i])},"alloc_retries":0,"rss":{int(rss[i])},'
-            f'"uss":{uss_value},"weights_checksum":{checksum},"desync_ranks":null,"optimizer":0,'
-            f'"optimizer_class":"AdamW","loss_scale_next":null,"segment":0}}\n'
-        )
-    return "".join(out)
+    return {**columns, "rank": rank, "allocated": allocated, "reserved": reserved, "peak": peak}
+
+
+def step_texts(plan: Plan, ranks: list[dict]) -> list[bytes]:
+    """Each rank's steps file (from `step_columns`), the ranks' lines formatted together."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    n = plan.steps
+
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([r[name] for r in ranks])
+
+    shared = _shared_columns(n, ranks[0]["lr"].tobytes())
+    every = np.arange(len(ranks) * n) % n
+    prefix = pa.array([f',"host":"{plan.host_of(r["rank"])}","rank":{r["rank"]},"step":' for r in ranks])
+    who = pc.take(prefix, pa.array(np.repeat(np.arange(len(ranks)), n)))
+    uss_text = choose(shared["uss_due"][every], integers(joined("uss")), "null")
+    body = text(
+        [
+            b'{"schema":1,"t":', fixed(joined("t"), 4), who, pc.take(shared["step"], pa.array(every)),
+            b',"step_time_s":', fixed(joined("step_time_s"), 5),
+            b',"pre_backward_s":', fixed(joined("pre_backward_s"), 5),
+            b',"loss":', fixed(joined("loss"), 5), b',"lr":', pc.take(shared["lr"], pa.array(every)),
+            b',"grad_norm":', fixed(joined("grad_norm"), 4),
+            b',"grad_norm_source":"clip_grad_norm_","clip_max_norm":1.0,"loss_scale":null,"skipped":false,'
+            b'"backward_calls":1,"mem_allocated":', integers(joined("allocated")),
+            b',"mem_reserved":', integers(joined("reserved")),
+            b',"mem_active_peak":', integers(joined("peak")),
+            b',"alloc_retries":0,"rss":', integers(joined("rss")), b',"uss":', uss_text,
+            b',"weights_checksum":', pc.take(shared["checksum"], pa.array(every)),
+            b',"desync_ranks":null,"optimizer":0,"optimizer_class":"AdamW","loss_scale_next":null,'
+            b'"segment":0}\n',
+        ]
+    )  # fmt: skip
+    view = memoryview(body)
+    cuts = np.flatnonzero(np.frombuffer(body, dtype=np.uint8) == 10)[n - 1 :: n] + 1
+    starts = np.r_[0, cuts[:-1]]
+    return [bytes(view[a:b]) for a, b in zip(starts.tolist(), cuts.tolist(), strict=True)]
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_columns(n: int, lr_bytes: bytes) -> dict[str, object]:
+    """The fields every rank writes alike (step, lr, checksum, whether USS was read), formatted once."""
+    import numpy as np
+    import pyarrow as pa
+
+    steps = np.arange(1, n + 1).tolist()
+    lr = np.frombuffer(lr_bytes, dtype=np.float64).tolist()
+    checksum = [
+        f"{1234.5 + step * 0.25!r}" if step == 1 or (step - 1) % CHECKSUM_EVERY_GPU == 0 else "null"
+        for step in steps
+    ]
+    return {
+        "step": pa.array([str(s) for s in steps]),
+        "lr": pa.array([f"{v:.6g}" for v in lr]),
+        "checksum": pa.array(checksum),
+        "uss_due": np.array([(s - 1) % USS_EVERY == 0 for s in steps]),
+    }
 
 
 def reserved_of(plan: Plan, rank: int, step: np.ndarray) -> np.ndarray:
@@ -80,60 +130,6 @@ def reserved_of(plan: Plan, rank: int, step: np.ndarray) -> np.ndarray:
     base = ALLOCATED_BYTES + PEAK_EXTRA_BYTES + rank * 4096 + RESERVED_SLACK_BYTES + 70 * MIB
     grow = plan.grower_mib_per_step * MIB * step if rank == plan.grower_rank else 0.0
     return base + grow
-
-
-def memwatch_lines(plan: Plan, host_index: int, ends: np.ndarray, rss_of, rng: np.random.Generator):
-    """memwatch's samples of one host (agent + its ranks), one per second over the job, as lines with
-    their times (the caller merges every host's lines in time order into one memwatch.jsonl)."""
-    import numpy as np
-
-    first_rank = host_index * plan.ranks_per_host
-    ranks = list(range(first_rank, min(plan.ranks, first_rank + plan.ranks_per_host)))
-    host = plan.host_of(first_rank)
-    start, stop = float(ends[0]) - 1.0, float(ends[-1])
-    times = np.arange(start, stop, plan.memwatch_interval_s) + host_index * 1e-3
-    samples = len(times)
-    steps = np.interp(times, ends, np.arange(1, len(ends) + 1), left=0.0)
-    available = HOST_TOTAL_BYTES - 600 * GIB - rng.uniform(0, 2 * GIB, samples)
-    shm_used = 40 * GIB + rng.uniform(0, GIB, samples)
-    system = [
-        f'"sys_available_bytes":{int(a)},"sys_total_bytes":{HOST_TOTAL_BYTES},'
-        f'"shm_used_bytes":{int(u)},"shm_free_bytes":{SHM_TOTAL_BYTES - int(u)}'
-        for a, u in zip(available, shm_used, strict=True)
-    ]
-    procs = [("agent", None, 900_000 + host_index)] + [(f"rank {r}", r, 1_000_000 + r) for r in ranks]
-    columns = []
-    for role, rank, pid in procs:
-        if rank is None:
-            rss = 1.2 * GIB + rng.uniform(0, 4 * MIB, samples)
-            gpu = None
-        else:
-            rss = rss_of(rank, steps) + rng.uniform(0, 8 * MIB, samples)
-            gpu = reserved_of(plan, rank, steps) + CONTEXT_BYTES + rng.integers(0, 3, samples) * 2 * MIB
-        columns.append((role, rank, pid, rss, gpu))
-    lines = []
-    for i in range(samples):
-        t = times[i]
-        for role, rank, pid, rss, gpu in columns:
-            anon = int(rss[i] - 0.9 * GIB)
-            full = (i + pid) % 5 == 0  # USS/PSS every 5th sample (memwatch's budget on a big rank)
-            uss = f"{anon - 200 * MIB}" if full else "null"
-            pss = f"{anon + 100 * MIB}" if full else "null"
-            swap = "0" if full else "null"
-            gpu_part = (
-                f'"gpu_bytes":{int(gpu[i])},"gpu_devices":[{rank % plan.ranks_per_host}],'
-                f'"gpu_total_bytes":{DEVICE_TOTAL_BYTES}'
-                if gpu is not None
-                else '"gpu_bytes":null,"gpu_devices":[],"gpu_total_bytes":null'
-            )
-            lines.append(
-                f'{{"schema":1,"t":{t:.3f},"host":"{host}","rss":{int(rss[i])},"anon":{anon},'
-                f'"vms":{int(rss[i]) * 3},"cpu_percent":{99.0 + (i % 7) * 0.1:.1f},"threads":{48},'
-                f'"uss":{uss},"pss":{pss},"swap":{swap},"pid":{pid},"role":"{role}",'
-                f'"rank":{"null" if rank is None else rank},"uss_every":5,{gpu_part},"sample":{i},'
-                f"{system[i]}}}\n"
-            )
-    return times, lines, procs
 
 
 def memwatch_events(plan: Plan, host_procs: list[tuple[str, int | None, int]], t0: float) -> str:
@@ -186,27 +182,15 @@ def comm_lines(plan: Plan, rng: np.random.Generator) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _keyed(times, host_index: int, width: int, lines: list[str]):
-    return ((float(times[i // width]), host_index, i, line) for i, line in enumerate(lines))
-
-
 def write_streams(path: Path, plan: Plan, ends_by_rank, rss_of, rng) -> None:
-    """memwatch.jsonl (every host merged in time order), memwatch_events.jsonl and comm.jsonl."""
-    import heapq
-
+    """memwatch.jsonl (every host merged in time order: tests/gpusynth_memwatch.py),
+    memwatch_events.jsonl and comm.jsonl."""
     import numpy as np
 
+    from tests import gpusynth_memwatch
+
     if plan.memwatch:
-        hosts = -(-plan.ranks // plan.ranks_per_host)
-        procs_all = []
-        per_host = []
-        for h in range(hosts):
-            times, lines, procs = memwatch_lines(plan, h, ends_by_rank(h * plan.ranks_per_host), rss_of, rng)
-            per_host.append(_keyed(times, h, len(procs), lines))
-            procs_all += procs
-        with open(path / "memwatch.jsonl", "w") as fh:
-            for _, _, _, line in heapq.merge(*per_host):
-                fh.write(line)
+        procs_all = gpusynth_memwatch.write(path, plan, ends_by_rank, rss_of, rng)
         first = float(ends_by_rank(0)[0]) - 1.0
         (path / "memwatch_events.jsonl").write_text(memwatch_events(plan, procs_all, first))
     if plan.comm:

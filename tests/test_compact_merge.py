@@ -123,6 +123,20 @@ def test_merge_refuses_one_rank_from_two_nodes(run, tmp_path):
     assert run_cli("merge", str(a), str(a), "--out", str(full), timeout=60).returncode == 2
 
 
+def test_a_compacted_file_still_counts_the_off_schema_records_it_left_out(run):
+    file = run / "steps.rank1.jsonl"
+    rows = [json.loads(line) for line in file.read_text().splitlines()]
+    rows[5]["step"] = "six"  # off the steps schema: every reader drops it and says why
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from_jsonl = frames.read_table([file], ("rank", "step"))
+    assert from_jsonl.invalid_reasons == {"step: expected int, got str": 1}
+    assert run_cli("compact", str(run), "--stream", "steps", timeout=120).returncode == 0
+    from_parquet = frames.read_table([file], ("rank", "step"))
+    assert from_parquet.parquet_files == 1
+    assert (from_parquet.rows, from_parquet.invalid_reasons) == (from_jsonl.rows, from_jsonl.invalid_reasons)
+    assert from_parquet.problems() == from_jsonl.problems()
+
+
 def test_columnar_reader_drops_torn_lines_and_off_schema_records(tmp_path):
     """As the row reader does (issue 25): a record off the steps schema is dropped and counted with its
     reason, not kept with the bad value nulled; a free field's wrong value is nulled and counted."""

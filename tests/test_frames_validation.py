@@ -129,10 +129,14 @@ def test_a_clean_gpu_run_is_validated_column_wise(tmp_path, monkeypatch):
     plan = scalesynth.Plan(ranks=16, steps=40, gpu=True, reserved_grower=True, memwatch=True, comm=True)
     run = RunDir.open(scalesynth.generate(tmp_path / "run", plan))
     slow: list[str] = []
-    real = frames._read_rows
+    alone: list[str] = []
+    real, real_one = frames._read_rows, frames._read_jsonl
     monkeypatch.setattr(frames, "_read_rows", lambda path, *a: slow.append(path.name) or real(path, *a))
+    monkeypatch.setattr(frames, "_read_jsonl", lambda path, *a: alone.append(path.name) or real_one(path, *a))
     frames.clear_cache()
     for stream in ("steps", "memwatch", "memwatch_events"):
         frames.read_table(run.stream_files(stream), _columns(stream), stream)
     assert slow == []
+    assert not [name for name in alone if name.startswith("steps.")]  # the ranks' files parsed together
+    monkeypatch.setattr(frames, "_read_jsonl", real_one)
     assert_same_reads(run)

@@ -115,19 +115,24 @@ def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int
     import numpy as np
     import pandas as pd
 
-    frame = frame[pd.to_numeric(frame.get("rank"), errors="coerce").notna()] if "rank" in frame else frame[:0]
-    if "step" not in frame or frame.empty:
+    # each filter or assign copies every column (10 M rows and a host string each at 10,000 ranks):
+    # only the ones that change something run
+    if "rank" not in frame or "step" not in frame or frame.empty:
         return None
-    frame = frame.assign(
-        rank=pd.to_numeric(frame["rank"], errors="coerce"), step=pd.to_numeric(frame["step"], errors="coerce")
-    ).dropna(subset=["rank", "step"])
-    frame = frame.assign(rank=frame["rank"].astype("int64"), step=frame["step"].astype("int64"))
+    rank = pd.to_numeric(frame["rank"], errors="coerce")
+    step = pd.to_numeric(frame["step"], errors="coerce")
+    keep = (rank.notna() & step.notna()).to_numpy()
+    if not keep.all():
+        frame, rank, step = frame[keep], rank[keep], step[keep]
+    if rank.dtype != "int64" or step.dtype != "int64" or frame["rank"].dtype != "int64":
+        frame = frame.assign(rank=rank.astype("int64"), step=step.astype("int64"))
     if frame.empty:
         return None
     all_steps = np.unique(frame["step"].to_numpy())
     steady = all_steps[all_steps > warmup_steps]
     steps = steady if len(steady) >= min_steady_steps else all_steps
-    frame = frame[frame["step"].isin(steps)]
+    if len(steps) < len(all_steps):
+        frame = frame[frame["step"].isin(steps).to_numpy()]
     ranks = np.unique(frame["rank"].to_numpy())
     hosts = last_host(frame, ranks)
     step_time = _grid(frame, ranks, steps, "step_time_s")

@@ -21,6 +21,28 @@ if TYPE_CHECKING:
 NUMERIC = ("t", "rss", "anon", "uss", "pss", "gpu_bytes", "gpu_total_bytes", "sys_available_bytes")
 
 
+class LazyColumns(dict):
+    """name -> float64 numpy column, made by `convert` on first read: at 10,000 ranks each is 80 MB, and
+    the checks read about half of what they might."""
+
+    def __init__(self, names: tuple[str, ...], convert: Any) -> None:
+        super().__init__()
+        self._names = set(names)
+        self._convert = convert
+
+    def __missing__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        self[name] = values = self._convert(name)
+        return values
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
 class MemwatchColumns(Mapping):
     """Samples per PID (as a mapping: pid -> that process's samples as records, built when asked —
     the worker check reads a few). `roles`: each PID's last role, PIDs in order of first appearance."""
@@ -53,8 +75,11 @@ class MemwatchColumns(Mapping):
         pid = table["pid"].to_numpy()
         first_seen = np.unique(pid, return_index=True)
         order = np.argsort(pid, kind="stable")  # each process's samples in file order
-        for name in NUMERIC:  # one column at a time: a take() of the table copied all of them at once
-            self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()[order]
+        # a column becomes float64 in PID order when a check first reads it (one at a time: a take() of
+        # the table copied all of them at once; a column no check reads is never copied)
+        self._columns = LazyColumns(
+            NUMERIC, lambda name: table[name].cast("float64").fill_null(np.nan).to_numpy()[order]
+        )
         pid = pid[order]
         self._columns["pid"] = pid
         self.rows = len(pid)

@@ -39,6 +39,7 @@ class StepColumns(Mapping):
         import numpy as np
         import pyarrow.compute as pc
 
+        from ciuic_doctor.analysis._memory_columns import LazyColumns
         from ciuic_doctor.frames import read_stream
 
         self._columns: dict[str, np.ndarray] = {}
@@ -60,9 +61,10 @@ class StepColumns(Mapping):
         if not ((rank[1:] >= rank[:-1]).all() and (t[1:][same] >= t[:-1][same]).all()):
             keys = [("rank", "ascending", "at_start"), ("t", "ascending", "at_start")]
             table = table.take(pc.sort_indices(table, keys))
-        for name in self.COLUMNS:
-            if name != "host":
-                self._columns[name] = table[name].cast("float64").fill_null(np.nan).to_numpy()
+        numeric = tuple(c for c in self.COLUMNS if c != "host")  # made float64 when a check reads one
+        self._columns = LazyColumns(
+            numeric, lambda name: table[name].cast("float64").fill_null(np.nan).to_numpy()
+        )
         ranks = self._columns["rank"].astype(np.int64)
         unique, starts = np.unique(ranks, return_index=True)
         stops = [*starts[1:].tolist(), len(ranks)]

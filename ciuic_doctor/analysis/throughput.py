@@ -22,7 +22,6 @@ Pure functions of records: no torch.
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
 from typing import Any
 
 from ciuic_doctor.findings import Finding
@@ -55,30 +54,17 @@ def _device(meta: dict[str, Any]) -> str | None:
     return names[0] if names else None
 
 
-def _rows(run: RunDir) -> dict[int, list[dict[str, Any]]]:
+def analyze(run: RunDir) -> list[Finding]:
+    from ciuic_doctor.analysis._throughput_columns import per_rank
     from ciuic_doctor.frames import read_stream
 
-    table = read_stream(run, "steps", COLUMNS).table.to_pylist()
-    by_rank: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for row in table:
-        rank = row.get("rank")
-        by_rank[rank if isinstance(rank, int) else 0].append(row)
-    return by_rank
-
-
-def analyze(run: RunDir) -> list[Finding]:
     meta = run.read_meta()
-    by_rank = _rows(run)
-    if not by_rank:
+    table = read_stream(run, "steps", COLUMNS).table
+    if not table.num_rows:
         return []
-    findings = []
-    rates = {rank: tokens_per_s(rows) for rank, rows in by_rank.items()}
-    rates = {rank: v for rank, v in rates.items() if v is not None}
-    findings.append(throughput_finding(rates))
-    findings.append(mfu_finding(rates, meta))
-    good = {rank: goodput(rows, meta.get("created")) for rank, rows in by_rank.items()}
-    findings.append(goodput_finding({r: g for r, g in good.items() if g is not None}))
-    return findings
+    rates, good = per_rank(table, meta.get("created"), tokens_per_s, goodput)
+    del table
+    return [throughput_finding(rates), mfu_finding(rates, meta), goodput_finding(good)]
 
 
 def tokens_per_s(rows: list[dict[str, Any]]) -> float | None:

@@ -1,0 +1,142 @@
+"""Parts of `frames.read_table`: which files are parsed together (`_batches`), a batch's parse with one
+file's checks (`_read_batch`), and the parts joined into one contiguous table (`_contiguous`, with
+`_all_null` for columns no record fills). Split from frames.py, which keeps the one-file readers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ciuic_doctor import columnar_schema
+from ciuic_doctor.stream_read import _open_regular
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import pyarrow
+
+BIG_FILE_BYTES = 64 << 20  # one file this big (memwatch.jsonl of a whole job) is parsed with threads
+
+Part = tuple["pyarrow.Table", int, dict[str, int], dict[str, int]]  # table, dropped, nulled, invalid
+BATCH_BYTES = 16 << 20  # small files parsed together, up to this much text at once
+
+
+def _batches(files: list[Path]) -> list[list[Path]]:
+    """Runs of consecutive small JSONL files (each without a fresh Parquet copy) of up to BATCH_BYTES
+    together; any other file alone. File order is kept: the runs are read back in order."""
+    from ciuic_doctor.parquet_store import parquet_path
+
+    tasks: list[list[Path]] = []
+    run: list[Path] = []
+    size = 0
+    for path in files:
+        try:
+            nbytes = path.stat().st_size
+        except OSError:
+            nbytes = BIG_FILE_BYTES + 1  # read alone: its own read says what is wrong with it
+        alone = path.suffix != ".jsonl" or nbytes > BATCH_BYTES or parquet_path(path).exists()
+        if alone or size + nbytes > BATCH_BYTES:
+            if run:
+                tasks.append(run)
+            run, size = [], 0
+        if alone:
+            tasks.append([path])
+        else:
+            run.append(path)
+            size += nbytes
+    if run:
+        tasks.append(run)
+    return tasks
+
+
+def _read_batch(paths: list[Path], columns: Sequence[str], stream: str | None) -> Part | None:
+    """Several small files' whole lines parsed as one text, with the checks `_read_jsonl` makes of one
+    file (rows = lines, `ReadPlan.valid`): each check is a property of every row, so the batch passes
+    exactly when each file would. None (each file then read alone) when any file is not all whole,
+    valid lines — a torn tail, a bad record — so what is dropped and counted is the one-file path's."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    plan = columnar_schema.plan(stream, columns)
+    if plan is None:
+        return None
+    texts = []
+    try:
+        for path in paths:
+            with os.fdopen(_open_regular(path), "rb") as fh:
+                data = fh.read()
+            if data and not data.endswith(b"\n"):
+                return None  # a torn last line: read apart, by the one-file path
+            texts.append(data)
+    except OSError:
+        return None
+    text = b"".join(texts)
+    del texts
+    if not text:
+        return None
+    lines = text.count(b"\n")
+    parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
+    try:
+        table = pj.read_json(
+            pa.BufferReader(text), read_options=pj.ReadOptions(use_threads=False), parse_options=parse
+        )
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    del text
+    if table.num_rows != lines or not plan.valid(table):
+        return None
+    out, nulled = plan.conform(table)
+    return out, 0, nulled, {}
+
+
+def _contiguous(tables: list[pyarrow.Table]) -> pyarrow.Table:
+    """The files' tables as one table of one chunk per column, built a column at a time while the parts'
+    copy of it is let go (the peak is the table plus one column). One chunk lets a reader take a numpy
+    view of a column without nulls instead of a copy: at 10,000 ranks each float column is 80 MB."""
+    import pyarrow as pa
+
+    # one table too (memwatch.jsonl parsed block by block): Table.combine_chunks copied every column at
+    # once, twice the table at its peak (1.8 GB for a 10,000-rank job's samples)
+    parts = tables[0] if len(tables) == 1 else pa.concat_tables(tables)  # no copy: the parts' chunks
+    tables.clear()  # in place: the caller's list lets go too
+    names = parts.column_names
+    columns = []
+    for name in names:
+        column = parts.column(name)
+        chunks = column.chunks
+        if column.null_count == len(column) > 0:
+            columns.append(_all_null(column.type, len(column)))
+        elif len(chunks) == 1:
+            columns.append(chunks[0])
+        else:
+            columns.append(pa.concat_arrays(chunks) if chunks else pa.nulls(0, column.type))
+        del column, chunks
+        parts = parts.drop_columns([name])
+    del parts
+    pa.default_memory_pool().release_unused()  # the parse's blocks: mimalloc keeps them otherwise
+    return pa.table(dict(zip(names, columns, strict=True)))
+
+
+def _all_null(kind: pyarrow.DataType, rows: int) -> pyarrow.Array:
+    """A column of `rows` nulls whose buffers are calloc'ed and never written, so they cost no resident
+    memory until read: a GPU job's steps carry 5 such fields (inactive_split_bytes, tokens, loss_scale,
+    loss_scale_next, desync_ranks), 440 MB of zeros at 10,000 ranks × 1,000 steps."""
+    import numpy as np
+    import pyarrow as pa
+
+    def zeros(nbytes: int) -> pyarrow.Buffer:
+        return pa.py_buffer(np.zeros(max(nbytes, 1), dtype=np.uint8))
+
+    validity = zeros(-(-rows // 8))
+    if pa.types.is_list(kind):
+        child = pa.array([], type=kind.value_type)
+        return pa.ListArray.from_buffers(kind, rows, [validity, zeros(4 * (rows + 1))], rows, 0, [child])
+    if pa.types.is_string(kind):
+        return pa.Array.from_buffers(kind, rows, [validity, zeros(4 * (rows + 1)), zeros(0)], rows)
+    if pa.types.is_boolean(kind):
+        return pa.Array.from_buffers(kind, rows, [validity, zeros(-(-rows // 8))], rows)
+    if pa.types.is_primitive(kind):
+        return pa.Array.from_buffers(kind, rows, [validity, zeros(rows * kind.bit_width // 8)], rows)
+    return pa.nulls(rows, kind)

@@ -42,26 +42,27 @@ def process_fields() -> dict[str, Any]:
     return {"pid": pid, "host": socket.gethostname(), "pid_start": process_start(pid)}
 
 
-def process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone."""
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces and ')'), [] if gone:
+    field N of proc(5) is at index N - 3."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read(4096).decode(errors="replace")
     except OSError:
-        return None
-    fields = text.rpartition(")")[2].split()
+        return []
+    return text.rpartition(")")[2].split()
+
+
+def process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/<pid>/stat field 22), None if gone."""
+    fields = _stat_fields(pid)
     return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def zombie_exit_status(pid: int) -> int | None:
     """The wait status (as waitpid gives it) of a process that ended but is not reaped yet (field 52 of
     /proc/<pid>/stat, Linux >= 3.5); None once its parent reaped it or when unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read(4096).decode(errors="replace")
-    except OSError:
-        return None
-    fields = text.rpartition(")")[2].split()
+    fields = _stat_fields(pid)
     if len(fields) < 50 or fields[0] != "Z" or not fields[49].isdigit():
         return None
     return int(fields[49])

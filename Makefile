@@ -30,7 +30,7 @@ test: setup
 	bash scripts/ensure-test-tools.sh
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint:
 	$(BIN)/python -m ruff check . && $(BIN)/python -m ruff format --check .

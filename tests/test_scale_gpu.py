@@ -87,3 +87,36 @@ def test_grouped_trends_equal_robust_trend_series_by_series():
             continue
         for key in ("slope", "intercept", "r2", "z", "n", "x_first", "x_last"):
             assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-9, abs=1e-9), (i, key)
+
+
+def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
+    """The trend fits and the per-rank interpolation work a block at a time (to bound their temporaries);
+    the block size must change nothing, to the last bit."""
+    from ciuic_doctor.analysis import _memory_columns, _trends
+
+    rng = np.random.default_rng(7)
+    lengths = [3, 40, 40, 41, 200, 200, 200]
+    ids = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)])
+    xs = np.concatenate([np.arange(n, dtype=float) for n in lengths])
+    ys = 1e9 + 3e5 * xs + rng.normal(0, 2e6, len(xs))
+    group = rng.integers(0, len(lengths), 5000)
+    t = rng.uniform(-5, 210, 5000)
+    t[:50] = xs[ids == group[0]][-1]  # on a group's last point, and beyond it
+    args = (group, t, ids, xs, ys)
+
+    def figures():
+        trends = fit(RankSeries.of(ids, xs, ys, len(lengths)))
+        fields = ("slope", "intercept", "r2", "z", "n", "x_first", "x_last")
+        at = _memory_columns.group_last_before(group, t, ids, xs)
+        return [getattr(trends, k) for k in fields], _memory_columns.group_interp(*args), at
+
+    whole = figures()
+    monkeypatch.setattr(_trends, "PAIRS_PER_BLOCK", 50)
+    monkeypatch.setattr(_memory_columns, "QUERY_BLOCK", 7)
+    blocked = figures()
+    for a, b in zip(whole[0], blocked[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole[1], blocked[1])
+    np.testing.assert_array_equal(whole[2], blocked[2])
+    assert np.isfinite(whole[1]).sum() > 1000
+    assert (whole[2] >= 0).sum() > 1000

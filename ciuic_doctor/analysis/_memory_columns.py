@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
     from ciuic_doctor.store import RunDir
 
+# queries answered at once by group_interp / group_last_before: each of their ~15 temporaries is then
+# 8 MiB, not one per sample (80 MB each at 10,000 ranks: ~1.2 GB at once, every page faulted in anew)
+QUERY_BLOCK = 1 << 20
 NUMERIC = ("t", "rss", "anon", "uss", "pss", "gpu_bytes", "gpu_total_bytes", "sys_available_bytes")
 
 
@@ -161,6 +164,19 @@ def group_interp(
     low = float(min(np.min(t), np.min(point_t)))
     width = float(max(np.max(t), np.max(point_t)) - low) + 1.0
     keys = _keys(point_group.astype(float), point_t, low, width)
+    points = (keys, counts, point_group, point_t, point_v)
+    for start in range(0, len(t), QUERY_BLOCK):  # each query is answered alone: blocks change nothing
+        part = slice(start, start + QUERY_BLOCK)
+        out[part] = _interp_block(group[part], t[part], points, low, width)
+    return out
+
+
+def _interp_block(group: np.ndarray, t: np.ndarray, points: tuple, low: float, width: float) -> np.ndarray:
+    """group_interp of one block of queries; `points`: (keys, counts per group, group, t, value)."""
+    import numpy as np
+
+    keys, counts, point_group, point_t, point_v = points
+    out = np.full(len(t), np.nan)
     query = _keys(group.astype(float), t, low, width)
     hi = np.searchsorted(keys, query, side="right")
     lo = hi - 1
@@ -191,6 +207,10 @@ def group_last_before(
     low = float(min(np.min(t), np.min(point_t)))
     width = float(max(np.max(t), np.max(point_t)) - low) + 1.0
     keys = _keys(point_group.astype(float), point_t, low, width)
-    lo = np.searchsorted(keys, _keys(group.astype(float), t, low, width), side="right") - 1
-    ok = (lo >= 0) & (point_group[np.clip(lo, 0, len(keys) - 1)] == group)
-    return np.where(ok, lo, -1)
+    out = np.empty(len(t), dtype=np.int64)
+    for start in range(0, len(t), QUERY_BLOCK):
+        part = slice(start, start + QUERY_BLOCK)
+        lo = np.searchsorted(keys, _keys(group[part].astype(float), t[part], low, width), side="right") - 1
+        ok = (lo >= 0) & (point_group[np.clip(lo, 0, len(keys) - 1)] == group[part])
+        out[part] = np.where(ok, lo, -1)
+    return out

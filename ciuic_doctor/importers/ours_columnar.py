@@ -32,7 +32,7 @@ def load(path: Path) -> StepLog:
     loss = read.table["loss"]
     # the store writes a non-finite loss as "nan"/"inf"; frames reads those back as float NaN/inf (not null)
     nonfinite = pc.and_(pc.is_valid(loss), pc.invert(pc.is_finite(loss))).fill_null(False)
-    raw = read.table.to_pandas()
+    raw = read.frame()  # a block per column: no 2-D copy of every float column (1.2 GB at 10,000 ranks)
     raw["nonfinite"] = nonfinite.to_numpy(zero_copy_only=False).astype("int64")
     raw["skipped"] = raw["skipped"].astype("boolean").fillna(False).astype("int64")
     return to_steplog(

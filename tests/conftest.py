@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -12,6 +13,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The Ctrl-C tests send SIGINT to the commands they start, as a terminal would. A suite started from a
+# non-interactive shell's background job (`make test &`, a CI runner) inherits SIGINT *ignored*; an ignored
+# signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler, so the command
+# rightly keeps ignoring it (nohup semantics) and the test times out. A Python-level handler here is reset
+# to the default on exec, so every process a test starts gets the terminal's SIGINT again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass

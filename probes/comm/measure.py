@@ -177,16 +177,22 @@ def aggregate(
     time_us is the mean over ranks of each rank's loop time / iters (nccl-tests' default); p50 / p99 are
     over iterations of the slowest rank's time in that iteration.
     """
+    figures = timing_figures(results, sh.bytes, busbw_factor(collective, len(results)), hosts)
+    return {"bytes": sh.bytes, "count": sh.count, **figures}
+
+
+def timing_figures(
+    results: Sequence[RankResult], bytes_moved: int, factor: float, hosts: Sequence[str]
+) -> dict[str, Any]:
+    """The timing fields every comm record carries (as `aggregate`), for `bytes_moved` per rank and the
+    collective's busbw factor; shared with `--splits-from`'s uneven all_to_all record."""
     n = len(results)
     rank_us = [r.time_s * 1e6 / r.iters for r in results]
     avg_us = sum(rank_us) / n
     per_iter = [max(d) for d in zip(*(r.durations_us for r in results), strict=False)]
-    algbw = sh.bytes / (avg_us * 1e-6) / 1e9 if avg_us > 0 else 0.0
-    factor = busbw_factor(collective, n)
+    algbw = bytes_moved / (avg_us * 1e-6) / 1e9 if avg_us > 0 else 0.0
     slowest = max(range(n), key=lambda r: rank_us[r])
     return {
-        "bytes": sh.bytes,
-        "count": sh.count,
         "iters": results[0].iters,
         "time_us": avg_us,
         "time_us_min": min(rank_us),

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ciuic_doctor.probes.comm.bench import Bench
 from ciuic_doctor.probes.comm.collectives import DTYPES, elem_bytes
-from ciuic_doctor.probes.comm.measure import RankResult, percentile, sync, time_op
+from ciuic_doctor.probes.comm.measure import RankResult, sync, time_op, timing_figures
 from ciuic_doctor.probes.comm.splits import SplitPlan, plan_from_run
 
 ROUNDS = 4  # timed loops per splits mode and layer (after one warm-up round), even and routed alternating
@@ -140,30 +140,13 @@ def _figures(
     results: list[RankResult], matrix: list[list[int]], elem: int, hosts: list[str]
 ) -> dict[str, Any]:
     n = len(results)
-    rank_us = [r.time_s * 1e6 / r.iters for r in results]
-    avg_us = sum(rank_us) / n
-    per_iter = [max(d) for d in zip(*(r.durations_us for r in results), strict=False)]
     send = [sum(row) * elem for row in matrix]
     recv = [sum(matrix[s][d] for s in range(n)) * elem for d in range(n)]
     mean_bytes = sum(send) // n
-    algbw = mean_bytes / (avg_us * 1e-6) / 1e9 if avg_us > 0 else 0.0
-    slowest = max(range(n), key=lambda r: rank_us[r])
     return {
         "bytes": mean_bytes,
         "count": mean_bytes // elem,
         "max_send_bytes": max(send),
         "max_recv_bytes": max(recv),
-        "iters": results[0].iters,
-        "time_us": avg_us,
-        "time_us_min": min(rank_us),
-        "time_us_max": max(rank_us),
-        "time_us_p50": percentile(per_iter, 50),
-        "time_us_p99": percentile(per_iter, 99),
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * (n - 1) / n,
-        "busbw_factor": (n - 1) / n,
-        "wrong": sum(r.wrong for r in results),
-        "slowest_rank": slowest,
-        "slowest_host": hosts[slowest] if slowest < len(hosts) else None,
-        "rank_time_us": rank_us,
+        **timing_figures(results, mean_bytes, (n - 1) / n, hosts),
     }

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port {args.port}: a port is at most 65535")
     from ciuic_doctor.commands.top import open_job
 
-    job = open_job(args.pid, None)
+    job = open_job(args.pid, None, args.interval)
     if args.run is not None:
         from pathlib import Path
 

@@ -55,8 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def open_job(pid: int | None, run: str | None):  # -> ciuic_doctor.live.view.LiveJob
-    """The live view of the job named by --pid or RUN; a UserError in one line otherwise."""
+REDISCOVER_SAMPLES = 5  # the process tree is walked every 5th sample (every 5 s at the default 1 s)
+
+
+def open_job(pid: int | None, run: str | None, interval_s: float = 1.0):  # -> live.view.LiveJob
+    """The live view of the job named by --pid or RUN; a UserError in one line otherwise. The tree walk
+    (psutil reads every process of the host) scales with --interval, as every other read does."""
     from pathlib import Path
 
     from ciuic_doctor import nvml
@@ -72,7 +76,7 @@ def open_job(pid: int | None, run: str | None):  # -> ciuic_doctor.live.view.Liv
         run_dir = Path(run)
         if not run_dir.is_dir():
             raise UserError(f"{run}: not a directory")
-    job = LiveJob(pid=pid, run_dir=run_dir, nvml=nvml.get())
+    job = LiveJob(pid=pid, run_dir=run_dir, nvml=nvml.get(), rediscover_s=REDISCOVER_SAMPLES * interval_s)
     if run_dir is not None and not job.discovery.roots:
         raise UserError(f"{run}: no running process is writing this run directory")
     return job
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.live.render import as_text
     from ciuic_doctor.live.top_app import run_interactive
 
-    job = open_job(args.pid, args.run)
+    job = open_job(args.pid, args.run, args.interval)
     if args.once:
         job.update()  # the first sample has no rates: take a second one an interval later
         time.sleep(args.interval)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor import columnar_schema
 from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
-from ciuic_doctor.frames_parts import BIG_FILE_BYTES, Part, _batches, _contiguous, _read_batch
+from ciuic_doctor.frames_parts import BigFile, Part, _batches, _contiguous, _read_batch, _read_range
 from ciuic_doctor.store import RunDir, StreamRead
 from ciuic_doctor.stream_read import _open_regular
 
@@ -63,7 +63,6 @@ __all__ = [
 ]
 
 MAX_THREADS = 8
-BLOCK_BYTES = 16 << 20
 
 
 @dataclass(kw_only=True)
@@ -210,12 +209,9 @@ def _read_jsonl(path: Path, columns: Sequence[str], stream: str | None) -> Part:
     whole, lines, tail = _layout(path)
     parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
     source = str(path) if not tail else _Prefix(path, whole)
-    try:
-        if whole > BIG_FILE_BYTES:  # one big file (memwatch.jsonl of a whole job): block by block
-            parsed = _blocks(source, parse, plan)
-        else:  # one thread a file: the files themselves are read in parallel (read_table)
-            table = pj.read_json(source, read_options=pj.ReadOptions(use_threads=False), parse_options=parse)
-            parsed = (table.num_rows, plan.valid(table), *plan.conform(table))
+    try:  # one thread a file: the files themselves are read in parallel, a big one in pieces (read_table)
+        table = pj.read_json(source, read_options=pj.ReadOptions(use_threads=False), parse_options=parse)
+        parsed = (table.num_rows, plan.valid(table), *plan.conform(table))
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return _read_rows(path, columns, stream)
     finally:
@@ -225,38 +221,42 @@ def _read_jsonl(path: Path, columns: Sequence[str], stream: str | None) -> Part:
     # two records on one line parse as two rows here and as one bad line there: the counts must agree
     if rows != lines or not valid:
         return _read_rows(path, columns, stream)
-    if not tail.strip():
-        return out, 0, nulled, {}
-    part, dropped, more, invalid = _rows([tail], columns, stream)
-    for column, count in more.items():
-        nulled[column] = nulled.get(column, 0) + count
-    return pa.concat_tables([out, part]), dropped, nulled, invalid
+    return _with_tail([out], nulled, tail, columns, stream)
 
 
-def _blocks(
-    source: str | _Prefix, parse: pyarrow.json.ParseOptions, plan: columnar_schema.ReadPlan
-) -> tuple[int, bool, pyarrow.Table, dict[str, int]]:
-    """A big file parsed BLOCK_BYTES at a time, each block checked and cut to the asked-for columns
-    before the next: the whole file parsed at once held every schema column of 2 M samples (~1.2 GB
-    for a 1,024-rank job's memwatch.jsonl, most of it kept by the allocator afterwards)."""
+def _with_tail(
+    tables: list[pyarrow.Table],
+    nulled: dict[str, int],
+    tail: bytes,
+    columns: Sequence[str],
+    stream: str | None,
+) -> Part:
+    """A file's parsed whole lines, and the torn line after them judged by the row path."""
     import pyarrow as pa
-    import pyarrow.json as pj
 
-    reader = pj.open_json(source, read_options=pj.ReadOptions(block_size=BLOCK_BYTES), parse_options=parse)
-    rows, valid, parts, nulled = 0, True, [], {}
-    for batch in reader:
-        block = pa.Table.from_batches([batch])
-        rows += block.num_rows
-        valid = valid and plan.valid(block)
-        if not valid:
-            break
-        part, more = plan.conform(block)
-        parts.append(part)
+    if tail.strip():
+        part, dropped, more, invalid = _rows([tail], columns, stream)
+        tables.append(part)
         for column, count in more.items():
             nulled[column] = nulled.get(column, 0) + count
-    out = pa.concat_tables(parts) if parts else schema_for(plan.columns).empty_table()
-    pa.default_memory_pool().release_unused()
-    return rows, valid, out, nulled
+    else:
+        dropped, invalid = 0, {}
+    return (tables[0] if len(tables) == 1 else pa.concat_tables(tables)), dropped, nulled, invalid
+
+
+def _join_big(big: BigFile, pieces: list, columns: Sequence[str], stream: str | None) -> Part:
+    """A big file's pieces as the one file they are: when any piece failed its checks, the whole file
+    is read by row (`_read_jsonl`'s rule: what is dropped and counted is the row reader's)."""
+    if any(piece is None for piece in pieces):
+        del pieces[:]
+        return _read_rows(big.path, columns, stream)
+    tables, nulled = [], {}
+    for (table, _, more, _), _ in pieces:
+        tables.append(table)
+        for column, count in more.items():
+            nulled[column] = nulled.get(column, 0) + count
+    del pieces[:]
+    return _with_tail(tables, nulled, big.tail, columns, stream)
 
 
 def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
@@ -317,11 +317,33 @@ def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None
     columns = list(dict.fromkeys(columns))
     if stream is None and files:
         stream = stream_of(files[0].name)
-    tasks = _batches(files)
-    threads = max(1, min(MAX_THREADS, len(tasks), (os.cpu_count() or 1) * 2))
+    tasks = _batches(files, stream)
+    units = [  # what the threads do: a task, or one piece of a big file
+        (task, piece)
+        for task in tasks
+        for piece in (range(len(task.ranges)) if isinstance(task, BigFile) else [None])
+    ]
+
+    def work(unit: tuple[list[Path] | BigFile, int | None]) -> Any:
+        task, piece = unit
+        if isinstance(task, BigFile):
+            return _read_range(task.path, *task.ranges[piece], columns, stream)
+        return _read_task(task, columns, stream)
+
+    threads = max(1, min(MAX_THREADS, len(units), (os.cpu_count() or 1) * 2))
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        done = list(pool.map(lambda task: _read_task(task, columns, stream), tasks))
-    parts = [part for task_parts in done for part in task_parts]
+        done = list(pool.map(work, units))
+    parts, at = [], 0
+    for task in tasks:
+        if isinstance(task, BigFile):
+            pieces = done[at : at + len(task.ranges)]
+            done[at : at + len(task.ranges)] = [None] * len(task.ranges)
+            parts.append((_join_big(task, pieces, columns, stream), False))
+            at += len(task.ranges)
+        else:
+            parts.extend(done[at])
+            done[at] = None
+            at += 1
     del done
     if not parts:
         return TableRead(table=schema_for(columns).empty_table())

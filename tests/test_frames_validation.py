@@ -5,6 +5,7 @@ record)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -140,3 +141,50 @@ def test_a_clean_gpu_run_is_validated_column_wise(tmp_path, monkeypatch):
     assert not [name for name in alone if name.startswith("steps.")]  # the ranks' files parsed together
     monkeypatch.setattr(frames, "_read_jsonl", real_one)
     assert_same_reads(run)
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Every file over 2 KiB cut in ~300-byte pieces (a 10,000-rank memwatch.jsonl: 4.4 GB in 32 MiB
+    pieces); the pieces parsed are counted, so a test sees the piecewise path was taken."""
+    from ciuic_doctor import frames_parts
+
+    monkeypatch.setattr(frames_parts, "BIG_FILE_BYTES", 2048)
+    monkeypatch.setattr(frames_parts, "RANGE_BYTES", 300)
+    pieces: list[tuple[int, int]] = []
+    real = frames._read_range
+    monkeypatch.setattr(frames, "_read_range", lambda p, a, b, *r: pieces.append((a, b)) or real(p, a, b, *r))
+    return pieces
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_a_big_file_read_in_pieces_reads_as_the_row_reader_does(tmp_path, seed, small_pieces):
+    """A torn last line, two records on one line, a bad record in any piece: the file is judged whole."""
+    rng = random.Random(seed)
+    folder = tmp_path / "run"
+    fuzzkit.write_run(folder, fuzzkit.random_mutations(rng))
+    if seed % 2:
+        _corrupt_lines(folder, rng)
+    frames.clear_cache()
+    assert_same_reads(RunDir.open(folder))
+    assert small_pieces  # the piecewise path ran
+
+
+def test_a_clean_big_file_is_parsed_in_pieces_on_the_fast_path(tmp_path, monkeypatch, small_pieces):
+    plan = scalesynth.Plan(ranks=16, steps=40, gpu=True, memwatch=True)
+    run = RunDir.open(scalesynth.generate(tmp_path / "run", plan))
+    with open(run.path / "memwatch.jsonl", "ab") as fh:
+        fh.write(b'{"schema":1,"t":5.0,"pid":7,"ro')  # a crash's torn last line: read apart
+    slow: list[str] = []
+    real = frames._read_rows
+    monkeypatch.setattr(frames, "_read_rows", lambda path, *a: slow.append(path.name) or real(path, *a))
+    frames.clear_cache()
+    read = frames.read_table(run.stream_files("memwatch"), _columns("memwatch"), "memwatch")
+    size = (run.path / "memwatch.jsonl").stat().st_size
+    assert slow == []
+    assert len(small_pieces) > 10
+    assert small_pieces[0][0] == 0
+    assert small_pieces[-1][1] < size  # the torn line is no piece
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(small_pieces))
+    assert read.dropped_lines == 1
+    assert read.rows == len(run.read("memwatch").records)

@@ -120,3 +120,48 @@ def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
     np.testing.assert_array_equal(whole[2], blocked[2])
     assert np.isfinite(whole[1]).sum() > 1000
     assert (whole[2] >= 0).sum() > 1000
+
+
+def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
+    """The memory checks' grouped passes run RANKS_PER_BLOCK ranks at a time: any block size (here 5 and
+    7 of 32 ranks, so blocks end mid-host) gives every rank the same series, trend and finding."""
+    from ciuic_doctor.analysis import _memory_blocks, memory
+    from ciuic_doctor.analysis._memory_batch import device_fits, host_fits, steps_fits
+    from ciuic_doctor.analysis._memory_cuda_figures import non_pytorch_fits
+    from ciuic_doctor.analysis._memory_data import _Data
+
+    path, _ = judged
+    run = RunDir.open(path)
+
+    def figures():
+        data = _Data(run)
+        every = {
+            "host": host_fits(data),
+            "device": device_fits(data),
+            "reserved": steps_fits(data, "mem_reserved"),
+            "some": steps_fits(data, "mem_allocated", [1, 6, 30]),
+            "nonpt": non_pytorch_fits(data),
+        }
+        out = {}
+        for name, fits in every.items():
+            if name == "nonpt":
+                out["nonpt_arrays"] = [fits.points, fits.level, fits.last]
+                fits = fits.fits
+            trends = [getattr(fits.trends, k) for k in ("valid", "slope", "intercept", "r2", "z", "n")]
+            out[name] = [fits.points.ids, fits.points.x, fits.points.y, fits.has, fits.step_unit, *trends]
+            out[name + "_lists"] = (fits.ranks, fits.metric, fits.source, fits.pid, fits.host)
+        findings = [f.to_dict() for f in memory.analyze(run)]
+        return out, findings
+
+    whole, whole_findings = figures()
+    assert whole["host"][0].size > 1000 and whole["nonpt"][0].size > 1000
+    for size in (5, 7):
+        monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", size)
+        blocked, blocked_findings = figures()
+        for name, values in whole.items():
+            if name.endswith("_lists"):
+                assert values == blocked[name], name
+            else:
+                for a, b in zip(values, blocked[name], strict=True):
+                    np.testing.assert_array_equal(a, b, err_msg=name)
+        assert whole_findings == blocked_findings

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.analysis._memory_blocks import in_blocks, join_fits
 from ciuic_doctor.analysis._memory_data import (
     LEAK_MIN_FRACTION,
     LEAK_R2,
@@ -220,7 +221,11 @@ def _memwatch_hosts(data: _Data, index: _Index) -> list[str | None]:
 
 
 def host_fits(data: _Data) -> RankFits:
-    """`_memory_leaks._host_series` and its trend, for every rank."""
+    """`_memory_leaks._host_series` and its trend, for every rank (a block of ranks at a time)."""
+    return in_blocks(data, _host_fits, join_fits)
+
+
+def _host_fits(data: _Data) -> RankFits:
     import numpy as np
 
     index = _Index(data)
@@ -281,7 +286,11 @@ def host_fits(data: _Data) -> RankFits:
 
 
 def device_fits(data: _Data) -> RankFits:
-    """`_memory_leaks._device_series` and its trend, for every rank."""
+    """`_memory_leaks._device_series` and its trend, for every rank (a block of ranks at a time)."""
+    return in_blocks(data, _device_fits, join_fits)
+
+
+def _device_fits(data: _Data) -> RankFits:
     import numpy as np
 
     index = _Index(data)
@@ -314,7 +323,11 @@ def device_fits(data: _Data) -> RankFits:
 
 
 def steps_fits(data: _Data, name: str, ranks: list[int] | None = None) -> RankFits:
-    """One step field of every rank (or of `ranks`) against steps, and its trend."""
+    """One step field of every rank (or of `ranks`) against steps, and its trend (a block at a time)."""
+    return in_blocks(data, lambda block: _steps_fits(block, name, ranks), join_fits)
+
+
+def _steps_fits(data: _Data, name: str, ranks: list[int] | None) -> RankFits:
     import numpy as np
 
     index = _Index(data)

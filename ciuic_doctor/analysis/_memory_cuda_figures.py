@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ciuic_doctor.analysis._memory_batch import RankFits, _assemble, _Index, trends_of
+from ciuic_doctor.analysis._memory_blocks import in_blocks, join_fits
 from ciuic_doctor.analysis._memory_data import WARMUP_STEPS, _Data
 from ciuic_doctor.analysis._trends import RankSeries
 
@@ -29,7 +30,21 @@ class NonPytorch:
 
 def non_pytorch_fits(data: _Data) -> NonPytorch:
     """`_memory_cuda._non_pytorch_series` of every rank: NVML's bytes at each sample minus the reserved
-    bytes of the rank's last step at or before it, against the sample's (fractional) step."""
+    bytes of the rank's last step at or before it, against the sample's (fractional) step (a block of
+    ranks at a time, `_memory_blocks`)."""
+    return in_blocks(data, _non_pytorch_fits, _join_non_pytorch)
+
+
+def _join_non_pytorch(parts: list[NonPytorch]) -> NonPytorch:
+    import numpy as np
+
+    return NonPytorch(
+        fits=join_fits([p.fits for p in parts]),
+        **{k: np.concatenate([getattr(p, k) for p in parts]) for k in ("points", "level", "last")},
+    )
+
+
+def _non_pytorch_fits(data: _Data) -> NonPytorch:
     import numpy as np
 
     from ciuic_doctor.analysis._memory_columns import group_interp, group_last_before

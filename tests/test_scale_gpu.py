@@ -127,7 +127,7 @@ def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
     7 of 32 ranks, so blocks end mid-host) gives every rank the same series, trend and finding."""
     from ciuic_doctor.analysis import _memory_blocks, memory
     from ciuic_doctor.analysis._memory_batch import device_fits, host_fits, steps_fits
-    from ciuic_doctor.analysis._memory_cuda_figures import non_pytorch_fits
+    from ciuic_doctor.analysis._memory_cuda_figures import fragmentation_figures, non_pytorch_fits
     from ciuic_doctor.analysis._memory_data import _Data
 
     path, _ = judged
@@ -143,18 +143,23 @@ def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
             "nonpt": non_pytorch_fits(data),
         }
         out = {}
-        for name, fits in every.items():
+        for name, made in every.items():
+            fits = made
             if name == "nonpt":
-                out["nonpt_arrays"] = [fits.points, fits.level, fits.last]
-                fits = fits.fits
+                out["nonpt_arrays"] = [made.points, made.level, made.last]
+                fits = made.fits
             trends = [getattr(fits.trends, k) for k in ("valid", "slope", "intercept", "r2", "z", "n")]
             out[name] = [fits.points.ids, fits.points.x, fits.points.y, fits.has, fits.step_unit, *trends]
             out[name + "_lists"] = (fits.ranks, fits.metric, fits.source, fits.pid, fits.host)
+        shards = fragmentation_figures(data)
+        out["fragmentation"] = [getattr(shards, k) for k in ("reserved", "allocated", "peak", "retries")]
+        out["fragmentation_lists"] = shards.ranks
         findings = [f.to_dict() for f in memory.analyze(run)]
         return out, findings
 
     whole, whole_findings = figures()
-    assert whole["host"][0].size > 1000 and whole["nonpt"][0].size > 1000
+    assert whole["host"][0].size > 1000
+    assert whole["nonpt"][0].size > 1000
     for size in (5, 7):
         monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", size)
         blocked, blocked_findings = figures()

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.analysis._memory_blocks import in_blocks, join_fits
+from ciuic_doctor.analysis._memory_blocks import in_blocks
 from ciuic_doctor.analysis._memory_data import (
     LEAK_MIN_FRACTION,
     LEAK_R2,
@@ -369,3 +369,42 @@ def _start(data: _Data, index: _Index) -> np.ndarray | None:
     if not data.first_step:
         return None
     return np.array([data.first_step.get(r, -np.inf) for r in index.ranks], dtype=float)
+
+
+def join_fits(parts: list[RankFits]) -> RankFits:
+    """The blocks' fits as one, in block order (each block's series ids shifted past the earlier ones)."""
+    import numpy as np
+
+    offsets = np.cumsum([0, *(len(p.ranks) for p in parts)])
+    count = int(offsets[-1])
+    points = RankSeries(
+        ids=np.concatenate([p.points.ids + offset for p, offset in zip(parts, offsets, strict=False)]),
+        x=np.concatenate([p.points.x for p in parts]),
+        y=np.concatenate([p.points.y for p in parts]),
+        count=count,
+    )
+    fits = RankFits(
+        ranks=[r for p in parts for r in p.ranks],
+        points=points,
+        has=np.concatenate([p.has for p in parts]),
+        step_unit=np.concatenate([p.step_unit for p in parts]),
+        metric=[m for p in parts for m in p.metric],
+        source=[s for p in parts for s in p.source],
+        pid=[x for p in parts for x in p.pid],
+        host=[h for p in parts for h in p.host],
+    )
+    if any(p.trends is not None for p in parts):  # a block without candidates has no trends: none valid
+        trends = [p.trends or _no_trends(len(p.ranks)) for p in parts]
+        names = ("valid", "slope", "intercept", "r2", "z", "n", "x_first", "x_last")
+        fits.trends = Trends(**{k: np.concatenate([getattr(t, k) for t in trends]) for k in names})
+    return fits
+
+
+def _no_trends(count: int) -> Trends:
+    import numpy as np
+
+    return Trends(
+        valid=np.zeros(count, dtype=bool),
+        **{k: np.full(count, np.nan) for k in ("slope", "intercept", "r2", "z", "x_first", "x_last")},
+        n=np.zeros(count, dtype=np.int64),
+    )

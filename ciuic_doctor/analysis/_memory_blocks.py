@@ -7,8 +7,8 @@ warm-up cuts, bins, the sort for the fit): 1.5–2 GB above the cached streams f
 device_fits, non_pytorch_fits and the reserved-bytes fit, the report's peak (6.4 GB). Every figure of
 those passes belongs to one rank and reads only that rank's rows, so the job is cut into blocks of
 RANKS_PER_BLOCK ranks, each pass runs on a `_DataBlock` (the block's step rows, a slice; its
-processes' memwatch samples, gathered), and the per-rank results are joined (`join_fits`). The block
-size changes no figure (tests/test_scale_gpu.py compares them to the last bit).
+processes' memwatch samples, gathered), and the per-rank results are joined (`_memory_batch.join_fits`).
+The block size changes no figure (tests/test_scale_gpu.py compares them to the last bit).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     import numpy as np
 
-    from ciuic_doctor.analysis._memory_batch import RankFits
     from ciuic_doctor.analysis._memory_data import _Data
 
 RANKS_PER_BLOCK = 1024  # 1,024 ranks × 1,000 steps: ~1 M points a pass, ~25 MB per temporary
@@ -99,47 +98,3 @@ def in_blocks(data: _Data, make: Callable[[Any], T], join: Callable[[list[T]], T
         return make(data)
     starts = range(0, len(ranks), RANKS_PER_BLOCK)
     return join([make(_DataBlock(data, ranks[i : i + RANKS_PER_BLOCK])) for i in starts])
-
-
-def join_fits(parts: list[RankFits]) -> RankFits:
-    """The blocks' fits as one, in block order (each block's series ids shifted past the earlier ones)."""
-    import numpy as np
-
-    from ciuic_doctor.analysis._memory_batch import RankFits
-    from ciuic_doctor.analysis._trends import RankSeries, Trends
-
-    offsets = np.cumsum([0, *(len(p.ranks) for p in parts)])
-    count = int(offsets[-1])
-    points = RankSeries(
-        ids=np.concatenate([p.points.ids + offset for p, offset in zip(parts, offsets, strict=False)]),
-        x=np.concatenate([p.points.x for p in parts]),
-        y=np.concatenate([p.points.y for p in parts]),
-        count=count,
-    )
-    fits = RankFits(
-        ranks=[r for p in parts for r in p.ranks],
-        points=points,
-        has=np.concatenate([p.has for p in parts]),
-        step_unit=np.concatenate([p.step_unit for p in parts]),
-        metric=[m for p in parts for m in p.metric],
-        source=[s for p in parts for s in p.source],
-        pid=[x for p in parts for x in p.pid],
-        host=[h for p in parts for h in p.host],
-    )
-    if any(p.trends is not None for p in parts):  # a block without candidates has no trends: none valid
-        trends = [p.trends or _no_trends(len(p.ranks)) for p in parts]
-        names = ("valid", "slope", "intercept", "r2", "z", "n", "x_first", "x_last")
-        fits.trends = Trends(**{k: np.concatenate([getattr(t, k) for t in trends]) for k in names})
-    return fits
-
-
-def _no_trends(count: int) -> Any:
-    import numpy as np
-
-    from ciuic_doctor.analysis._trends import Trends
-
-    return Trends(
-        valid=np.zeros(count, dtype=bool),
-        **{k: np.full(count, np.nan) for k in ("slope", "intercept", "r2", "z", "x_first", "x_last")},
-        n=np.zeros(count, dtype=np.int64),
-    )

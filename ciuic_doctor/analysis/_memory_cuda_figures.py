@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciuic_doctor.analysis._memory_batch import RankFits, _assemble, _Index, trends_of
-from ciuic_doctor.analysis._memory_blocks import in_blocks, join_fits
+from ciuic_doctor.analysis._memory_batch import RankFits, _assemble, _Index, join_fits, trends_of
+from ciuic_doctor.analysis._memory_blocks import in_blocks
 from ciuic_doctor.analysis._memory_data import WARMUP_STEPS, _Data
 from ciuic_doctor.analysis._trends import RankSeries
 

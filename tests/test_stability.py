@@ -363,3 +363,39 @@ def test_storm_window_counts_steps_not_rows():
 
     [storm] = raised(analyze_log(StepLog(table=table, min_scale=1.0)), "overflow_storm")
     assert storm.where["step"] == 1050
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.one_of(st.none(), st.integers(0, 3)), st.integers(0, 6), st.floats(0.5, 9.0)),
+        min_size=1,
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_fold_skips_drop_duplicates_only_when_no_rank_step_repeats(rows, in_order):
+    """fold's shortcut (rows in (rank, step) order without repeats: nothing to drop) gives the curve
+    drop_duplicates gives, on any rows: repeats (the later one wins), unsorted ranks, missing ranks."""
+    from ciuic_doctor.analysis import _stability_curve
+
+    if in_order:  # watch's own files: sorted by rank, then step, no repeats
+        rows = sorted({(r, s): v for r, s, v in rows}.items(), key=lambda kv: (kv[0][0] is not None, kv[0]))
+        rows = [(r, s, v) for (r, s), v in rows]
+    table = normalize({"rank": [r for r, _, _ in rows], "step": [s for _, s, _ in rows],
+                       "loss": [v for _, _, v in rows]})  # fmt: skip
+    folded = _stability_curve.fold(table)
+    reference = _stability_curve.fold(table.drop_duplicates(subset=["rank", "step"], keep="last"))
+    for name in ("step", "loss", "interval", "skipped"):
+        np.testing.assert_array_equal(getattr(folded, name), getattr(reference, name))
+    assert folded.ranks == reference.ranks
+
+
+def test_fold_keeps_the_later_of_a_repeated_step_even_in_order():
+    """A step written twice in a row (a resumed rank re-running it) is one step, the later record's."""
+    from ciuic_doctor.analysis._stability_curve import fold
+
+    table = normalize({"rank": [0, 0, 0, 1, 1], "step": [1, 1, 2, 1, 2], "loss": [1.0, 3.0, 2.0, 5.0, 4.0]})
+    curve = fold(table)
+    assert curve.step.tolist() == [1, 2]
+    assert curve.loss.tolist() == [4.0, 3.0]  # step 1: (3.0 + 5.0) / 2, the first 1.0 dropped

@@ -443,6 +443,24 @@ def read_records(run: RunDir, stream: str) -> list[dict[str, Any]]:
     return run.read(stream).records
 
 
+def float_values(column: pyarrow.ChunkedArray, null: float = float("nan")) -> Any:
+    """A column as float64 numpy with nulls as `null`: a read-only view of the table's buffer when the
+    column is float64 without nulls (pyarrow's fill_null copies even then: 80 MB a column at 10,000
+    ranks × 1,000 steps), else one copy.
+
+    >>> import pyarrow as pa
+    >>> float_values(pa.chunked_array([[1, None]])).tolist()
+    [1.0, nan]
+    """
+    import pyarrow as pa
+
+    if not pa.types.is_float64(column.type):
+        column = column.cast(pa.float64())
+    if column.null_count:
+        column = column.fill_null(null)
+    return column.to_numpy()
+
+
 def last_per_rank(run: RunDir, stream: str, columns: Sequence[str]) -> dict[int, dict[str, Any]]:
     """Each rank's record with the highest `step` (the later one on a tie), `columns` of it only: the
     hang analysis's "last step record" without reading 2 M records into dicts."""

@@ -56,7 +56,7 @@ class MemwatchColumns(Mapping):
         import numpy as np
         import pyarrow.compute as pc
 
-        from ciuic_doctor.frames import read_stream
+        from ciuic_doctor.frames import float_values, read_stream
 
         self._columns: dict[str, np.ndarray] = {}
         self._bounds: dict[int, tuple[int, int]] = {}
@@ -80,9 +80,7 @@ class MemwatchColumns(Mapping):
         order = np.argsort(pid, kind="stable")  # each process's samples in file order
         # a column becomes float64 in PID order when a check first reads it (one at a time: a take() of
         # the table copied all of them at once; a column no check reads is never copied)
-        self._columns = LazyColumns(
-            NUMERIC, lambda name: table[name].cast("float64").fill_null(np.nan).to_numpy()[order]
-        )
+        self._columns = LazyColumns(NUMERIC, lambda name: float_values(table[name])[order])
         pid = pid[order]
         self._columns["pid"] = pid
         self.rows = len(pid)

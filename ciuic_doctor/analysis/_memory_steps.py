@@ -40,7 +40,7 @@ class StepColumns(Mapping):
         import pyarrow.compute as pc
 
         from ciuic_doctor.analysis._memory_columns import LazyColumns
-        from ciuic_doctor.frames import read_stream
+        from ciuic_doctor.frames import float_values, read_stream
 
         self._columns: dict[str, np.ndarray] = {}
         self._hosts: dict[int, str | None] = {}
@@ -56,15 +56,13 @@ class StepColumns(Mapping):
         # sorted by rank, then time (a record without a time first), in arrow: no 2 M-row Python loop.
         # Per-rank files in rank order, each in time order, are sorted already: check, don't sort.
         rank = table["rank"].to_numpy()
-        t = table["t"].cast("float64").fill_null(-np.inf).to_numpy()
+        t = float_values(table["t"], -np.inf)
         same = rank[1:] == rank[:-1]
         if not ((rank[1:] >= rank[:-1]).all() and (t[1:][same] >= t[:-1][same]).all()):
             keys = [("rank", "ascending", "at_start"), ("t", "ascending", "at_start")]
             table = table.take(pc.sort_indices(table, keys))
         numeric = tuple(c for c in self.COLUMNS if c != "host")  # made float64 when a check reads one
-        self._columns = LazyColumns(
-            numeric, lambda name: table[name].cast("float64").fill_null(np.nan).to_numpy()
-        )
+        self._columns = LazyColumns(numeric, lambda name: float_values(table[name]))
         ranks = self._columns["rank"].astype(np.int64)
         unique, starts = np.unique(ranks, return_index=True)
         stops = [*starts[1:].tolist(), len(ranks)]

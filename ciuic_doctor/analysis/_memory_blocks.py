@@ -65,9 +65,8 @@ class _MemwatchBlock:
         return self._bounds
 
     def flat(self, name: str) -> np.ndarray:
-        if name not in self._flat:
-            values = self._memwatch.flat(name)
-            self._flat[name] = values[self._rows] if len(values) else values
+        if name not in self._flat:  # from the table's order: the job's PID-ordered copy is never made
+            self._flat[name] = self._memwatch.gather(name, self._rows)
         return self._flat[name]
 
     def host(self, pid: int) -> str | None:

@@ -83,8 +83,6 @@ def _read_range(
 ) -> tuple[Part, int] | None:
     """(the piece's table conformed to `columns` with its nulled counts, its lines) when every line of
     the piece parsed as one record of the schema; None otherwise (the whole file is then read by row)."""
-    import pyarrow as pa
-    import pyarrow.json as pj
 
     from ciuic_doctor.stream_read import _open_regular
 
@@ -101,6 +99,22 @@ def _read_range(
         os.close(fd)
     if len(text) != stop - start:
         return None  # the file changed under us: the row path reads what is there
+    parsed = _parse_lines(text, plan)
+    if parsed is None:
+        return None
+    out, nulled, lines = parsed
+    return (out, 0, nulled, {}), lines
+
+
+def _parse_lines(
+    text: bytes, plan: columnar_schema.ReadPlan
+) -> tuple[pyarrow.Table, dict[str, int], int] | None:
+    """Whole lines parsed with every schema field typed and checked as `frames._read_jsonl` checks a
+    file: (the asked-for columns, the values nulled per column, the lines) when each line parsed as one
+    record the schema accepts; None otherwise (the caller then reads by record)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
     lines = text.count(b"\n")
     parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
     try:
@@ -109,11 +123,10 @@ def _read_range(
         )
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
-    del text
     if table.num_rows != lines or not plan.valid(table):
         return None
     out, nulled = plan.conform(table)
-    return (out, 0, nulled, {}), lines
+    return out, nulled, lines
 
 
 def _batches(files: list[Path], stream: str | None = None) -> list[list[Path] | BigFile]:
@@ -155,8 +168,6 @@ def _read_batch(paths: list[Path], columns: Sequence[str], stream: str | None) -
     file (rows = lines, `ReadPlan.valid`): each check is a property of every row, so the batch passes
     exactly when each file would. None (each file then read alone) when any file is not all whole,
     valid lines — a torn tail, a bad record — so what is dropped and counted is the one-file path's."""
-    import pyarrow as pa
-    import pyarrow.json as pj
 
     plan = columnar_schema.plan(stream, columns)
     if plan is None:
@@ -175,18 +186,10 @@ def _read_batch(paths: list[Path], columns: Sequence[str], stream: str | None) -
     del texts
     if not text:
         return None
-    lines = text.count(b"\n")
-    parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
-    try:
-        table = pj.read_json(
-            pa.BufferReader(text), read_options=pj.ReadOptions(use_threads=False), parse_options=parse
-        )
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+    parsed = _parse_lines(text, plan)
+    if parsed is None:
         return None
-    del text
-    if table.num_rows != lines or not plan.valid(table):
-        return None
-    out, nulled = plan.conform(table)
+    out, nulled, _ = parsed
     return out, 0, nulled, {}
 
 

@@ -76,15 +76,19 @@ def _corrupt_lines(folder, rng: random.Random) -> None:
         path.write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_row_and_columnar_readers_agree_on_a_fuzzed_run(tmp_path, seed):
+def _fuzzed_run(folder, seed: int) -> RunDir:
+    """A run with seeded bad values, and on odd seeds damaged lines too."""
     rng = random.Random(seed)
-    folder = tmp_path / "run"
     fuzzkit.write_run(folder, fuzzkit.random_mutations(rng))
     if seed % 2:
         _corrupt_lines(folder, rng)
     frames.clear_cache()
-    assert_same_reads(RunDir.open(folder))
+    return RunDir.open(folder)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_row_and_columnar_readers_agree_on_a_fuzzed_run(tmp_path, seed):
+    assert_same_reads(_fuzzed_run(tmp_path / "run", seed))
 
 
 TARGETED = [
@@ -160,13 +164,7 @@ def small_pieces(monkeypatch):
 @pytest.mark.parametrize("seed", range(0, 40, 3))
 def test_a_big_file_read_in_pieces_reads_as_the_row_reader_does(tmp_path, seed, small_pieces):
     """A torn last line, two records on one line, a bad record in any piece: the file is judged whole."""
-    rng = random.Random(seed)
-    folder = tmp_path / "run"
-    fuzzkit.write_run(folder, fuzzkit.random_mutations(rng))
-    if seed % 2:
-        _corrupt_lines(folder, rng)
-    frames.clear_cache()
-    assert_same_reads(RunDir.open(folder))
+    assert_same_reads(_fuzzed_run(tmp_path / "run", seed))
     assert small_pieces  # the piecewise path ran
 
 

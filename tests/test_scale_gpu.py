@@ -171,3 +171,19 @@ def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
                 for a, b in zip(values, blocked[name], strict=True):
                     np.testing.assert_array_equal(a, b, err_msg=name)
         assert whole_findings == blocked_findings
+
+
+@pytest.mark.parametrize("memwatch", [False, True])
+def test_blocks_of_ranks_without_memwatch_or_cuda_fields_change_no_finding(tmp_path, monkeypatch, memwatch):
+    """A CPU job's steps alone (no memwatch), or memwatch beside them: blocks of 3 of 10 ranks judge
+    every memory check as one block does, not_run reasons included."""
+    from ciuic_doctor.analysis import _memory_blocks, memory
+
+    plan = scalesynth.Plan(ranks=10, steps=80, gpu=False, memwatch=memwatch, ranks_per_host=4)
+    run = RunDir.open(scalesynth.generate(tmp_path / "run", plan))
+    frames.clear_cache()
+    whole = [f.to_dict() for f in memory.analyze(run)]
+    monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 3)
+    blocked = [f.to_dict() for f in memory.analyze(run)]
+    assert blocked == whole
+    assert any(f["check"] == "memory_leak" and f["verdict"] in ("warn", "fail") for f in whole)

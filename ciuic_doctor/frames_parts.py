@@ -31,8 +31,9 @@ BATCH_BYTES = 16 << 20  # small files parsed together, up to this much text at o
 class BigFile:
     """A big JSONL file cut at line ends into pieces of ~RANGE_BYTES (`ranges`, byte offsets), the
     bytes after its last newline apart (`tail`: a line a crash left torn). The pieces are parsed by
-    the pool's threads like any other task, and judged together as the one file (`frames._join_big`):
-    one thread parsed a 4.4 GB memwatch.jsonl of a 10,000-rank job alone, 60 s with the other core idle."""
+    the pool's threads like any other task, and judged together as the one file (`frames._join_big`),
+    so one pool and one parse-and-check (`_parse_lines`) serve every file; it replaced pyarrow's
+    streaming reader, which used threads of its own (memwatch.jsonl of a 10,000-rank job: 23-31 s)."""
 
     path: Path
     ranges: list[tuple[int, int]] = field(default_factory=list)
@@ -41,8 +42,6 @@ class BigFile:
 
 def _split(path: Path) -> BigFile | None:
     """`path` cut into whole-line pieces; None when it cannot be read (its own read says why)."""
-    from ciuic_doctor.stream_read import _open_regular
-
     try:
         fd = _open_regular(path)
     except OSError:
@@ -83,9 +82,6 @@ def _read_range(
 ) -> tuple[Part, int] | None:
     """(the piece's table conformed to `columns` with its nulled counts, its lines) when every line of
     the piece parsed as one record of the schema; None otherwise (the whole file is then read by row)."""
-
-    from ciuic_doctor.stream_read import _open_regular
-
     plan = columnar_schema.plan(stream, columns)
     if plan is None:
         return None
@@ -135,6 +131,7 @@ def _batches(files: list[Path], stream: str | None = None) -> list[list[Path] | 
     parallel); any other file alone. File order is kept: the tasks are read back in order."""
     from ciuic_doctor.parquet_store import parquet_path
 
+    columnar = columnar_schema.plan(stream, ()) is not None  # else its files are read by record, whole
     tasks: list[list[Path] | BigFile] = []
     run: list[Path] = []
     size = 0
@@ -143,18 +140,16 @@ def _batches(files: list[Path], stream: str | None = None) -> list[list[Path] | 
             nbytes = path.stat().st_size
         except OSError:
             nbytes = BIG_FILE_BYTES + 1  # read alone: its own read says what is wrong with it
-        big_size = nbytes > BIG_FILE_BYTES
-        alone = path.suffix != ".jsonl" or nbytes > BATCH_BYTES or big_size or parquet_path(path).exists()
+        jsonl = path.suffix == ".jsonl" and not parquet_path(path).exists()
+        big = jsonl and nbytes > BIG_FILE_BYTES
+        alone = not jsonl or nbytes > BATCH_BYTES or big
         if alone or size + nbytes > BATCH_BYTES:
             if run:
                 tasks.append(run)
             run, size = [], 0
         if alone:
-            big = None
-            columnar = columnar_schema.plan(stream, ()) is not None  # else read by record, whole
-            if columnar and big_size and path.suffix == ".jsonl" and not parquet_path(path).exists():
-                big = _split(path)
-            tasks.append(big if big is not None and len(big.ranges) > 1 else [path])
+            pieces = _split(path) if big and columnar else None
+            tasks.append(pieces if pieces is not None and len(pieces.ranges) > 1 else [path])
         else:
             run.append(path)
             size += nbytes
@@ -199,7 +194,7 @@ def _contiguous(tables: list[pyarrow.Table]) -> pyarrow.Table:
     view of a column without nulls instead of a copy: at 10,000 ranks each float column is 80 MB."""
     import pyarrow as pa
 
-    # one table too (memwatch.jsonl parsed block by block): Table.combine_chunks copied every column at
+    # one table too (memwatch.jsonl parsed in pieces): Table.combine_chunks copied every column at
     # once, twice the table at its peak (1.8 GB for a 10,000-rank job's samples)
     parts = tables[0] if len(tables) == 1 else pa.concat_tables(tables)  # no copy: the parts' chunks
     tables.clear()  # in place: the caller's list lets go too

@@ -25,11 +25,13 @@ WARMUP_STEPS = 2
 
 
 def _column(table: pyarrow.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(float64 numpy copy of a column with nulls as NaN, where a value is a NaN rather than a null); a
-    column the table lacks is all null."""
+    """(the column as float64 numpy with nulls as NaN, read-only: `frames.float_values`; where a value is
+    a NaN rather than a null); a column the table lacks is all null."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
+
+    from ciuic_doctor.frames import float_values
 
     if name not in table.column_names:
         return np.full(table.num_rows, np.nan), np.zeros(table.num_rows, bool)
@@ -39,7 +41,7 @@ def _column(table: pyarrow.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     nan = np.zeros(table.num_rows, bool)
     if pa.types.is_floating(column.type):
         nan = pc.is_nan(column).fill_null(False).to_numpy(zero_copy_only=False)
-    return column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False), nan
+    return float_values(column), nan
 
 
 def _groups(rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -30,7 +30,8 @@ class _StepsBlock:
     """`StepColumns` of a run of consecutive ranks: its rows are one slice (rows are in rank order)."""
 
     def __init__(self, steps: Any, ranks: list[int]) -> None:
-        spans = [steps._bounds[r] for r in ranks if r in steps._bounds]
+        bounds = steps.bounds()
+        spans = [bounds[r] for r in ranks if r in bounds]
         self._steps = steps
         self._rows = slice(min(s for s, _ in spans), max(e for _, e in spans)) if spans else slice(0, 0)
 

@@ -104,7 +104,6 @@ class MemwatchColumns(Mapping):
             self._hosts[p] = host
 
     def column(self, pid: int, name: str) -> np.ndarray:
-
         start, stop = self._bounds.get(pid, (0, 0))
         return self.gather(name, slice(start, stop))
 

@@ -78,6 +78,10 @@ class StepColumns(Mapping):
         values = self._columns.get(name)
         return values[start:stop] if values is not None else np.empty(0)
 
+    def bounds(self) -> dict[int, tuple[int, int]]:
+        """rank -> (first row, row after its last) in `flat`'s order."""
+        return self._bounds
+
     def flat(self, name: str) -> np.ndarray:
         """`name` of every row, ranks one after another (rank, then time order)."""
         import numpy as np

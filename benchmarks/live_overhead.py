@@ -364,7 +364,7 @@ def step_time_ab(args: argparse.Namespace, tmp: Path, table: dict[str, str]) -> 
         if key == "median":
             table["  per pair"] = " ".join(f"{r:.3f}" for r in ratios)
     if args.amplify != 1:
-        table["  (tools' CPU below"] = f"is at x{args.amplify:g}: about {args.amplify:g} times the 1 s share)"
+        table["tools' CPU"] = f"below at x{args.amplify:g}: about {args.amplify:g} times the share at 1 s"
     table["export CPU (B windows)"] = f"{100 * cpu_b['export'] / b_seconds:.2f} % of a core"
     top_share, tmux_share = (100 * cpu_b[k] / b_seconds for k in ("top", "tmux"))
     table["top CPU (B windows)"] = f"{top_share:.2f} % of a core (+ its tmux server {tmux_share:.2f} %)"

@@ -32,10 +32,11 @@ stays on the fast path. A free field's value of the wrong type for its column be
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor import columnar_schema
 from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
-from ciuic_doctor.frames_parts import BigFile, Part, _batches, _contiguous, _read_batch, _read_range
+from ciuic_doctor.frames_assemble import Assembler
+from ciuic_doctor.frames_parts import BigFile, Part, _batches, _read_batch, _read_range
 from ciuic_doctor.store import RunDir, StreamRead
 from ciuic_doctor.stream_read import _open_regular
 
@@ -89,9 +91,10 @@ class TableRead:
         return self.table.num_rows
 
     def select(self, columns: Sequence[str]) -> TableRead:
-        """The same read, `columns` only (counts kept: they describe the files, not the columns)."""
+        """The same read, `columns` only (counts kept: they describe the files, not the columns), with
+        plain strings where the cached table keeps a column dictionary-encoded (`frames_assemble`)."""
         return TableRead(
-            table=self.table.select(list(dict.fromkeys(columns))),
+            table=plain_strings(self.table.select(list(dict.fromkeys(columns)))),
             files=self.files,
             dropped_lines=self.dropped_lines,
             nulled_values=self.nulled_values,
@@ -244,19 +247,37 @@ def _with_tail(
     return (tables[0] if len(tables) == 1 else pa.concat_tables(tables)), dropped, nulled, invalid
 
 
-def _join_big(big: BigFile, pieces: list, columns: Sequence[str], stream: str | None) -> Part:
-    """A big file's pieces as the one file they are: when any piece failed its checks, the whole file
-    is read by row (`_read_jsonl`'s rule: what is dropped and counted is the row reader's)."""
-    if any(piece is None for piece in pieces):
-        del pieces[:]
-        return _read_rows(big.path, columns, stream)
-    tables, nulled = [], {}
-    for (table, _, more, _), _ in pieces:
-        tables.append(table)
-        for column, count in more.items():
-            nulled[column] = nulled.get(column, 0) + count
-    del pieces[:]
-    return _with_tail(tables, nulled, big.tail, columns, stream)
+def _add_big(
+    big: BigFile, results: Iterator[Any], table: Assembler, columns: Sequence[str], stream: str | None
+) -> Part:
+    """A big file's pieces copied into `table` as they come, judged as the one file they are: when any
+    piece failed its checks, what was copied is taken back and the whole file read by row
+    (`_read_jsonl`'s rule: what is dropped and counted is the row reader's). The file's counts (no
+    table: it is in `table`)."""
+    start, nulled, failed = table.mark(), {}, False
+    share = max(big.ranges[-1][1] // len(big.ranges), 1) if big.ranges else 0
+    for _ in big.ranges:
+        piece = next(results)  # every piece is taken, even after a failed one: the pool made them all
+        if piece is None:
+            failed = True
+        elif not failed:
+            (part, _, more, _), _ = piece
+            table.add(part, nbytes=share)
+            for column, count in more.items():
+                nulled[column] = nulled.get(column, 0) + count
+        piece = part = None
+    if failed:
+        table.rollback(start)
+        part, *counts = _read_rows(big.path, columns, stream)
+        table.add(part, nbytes=0)
+        return (None, *counts)
+    if not big.tail.strip():
+        return None, 0, nulled, {}
+    part, dropped, more, invalid = _rows([big.tail], columns, stream)  # a torn last line: the row path
+    table.add(part, nbytes=len(big.tail))
+    for column, count in more.items():
+        nulled[column] = nulled.get(column, 0) + count
+    return None, dropped, nulled, invalid
 
 
 def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
@@ -304,9 +325,13 @@ def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[P
     return _read_jsonl(path, columns, stream), False
 
 
-def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None = None) -> TableRead:
+def read_table(
+    files: Iterable[Path], columns: Sequence[str], stream: str | None = None, *, encoded: bool = False
+) -> TableRead:
     """`columns` of every valid record in `files` (file order, then line order), files read in parallel.
     `stream` names the schema the records must fit (default: the stream the first file's name says).
+    `encoded`: string columns of few values stay dictionary-encoded (the cache keeps them so; `select`
+    decodes them for a reader).
 
     Small files (a rank's steps) are parsed BATCH_BYTES at a time (`_read_batch`): at 10,000 ranks the
     per-file cost of a parse and its checks (~4 ms) outweighed the parse itself."""
@@ -331,26 +356,25 @@ def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None
         return _read_task(task, columns, stream)
 
     threads = max(1, min(MAX_THREADS, len(units), (os.cpu_count() or 1) * 2))
+    table = Assembler(total_bytes=sum(_task_bytes(task) for task in tasks))
+    counts: list[tuple[Part, bool]] = []  # each part's counts; its table is let go once copied
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        done = list(pool.map(work, units))
-    parts, at = [], 0
-    for task in tasks:
-        if isinstance(task, BigFile):
-            pieces = done[at : at + len(task.ranges)]
-            done[at : at + len(task.ranges)] = [None] * len(task.ranges)
-            parts.append((_join_big(task, pieces, columns, stream), False))
-            at += len(task.ranges)
-        else:
-            parts.extend(done[at])
-            done[at] = None
-            at += 1
-    del done
-    if not parts:
+        done = pool.map(work, units)  # in order, each result let go by the pool as it is taken
+        for task in tasks:
+            if isinstance(task, BigFile):
+                counts.append((_add_big(task, done, table, columns, stream), False))
+                continue
+            parts = next(done)
+            nbytes = _task_bytes(task) // max(len(parts), 1)
+            for (part, *rest), parquet in parts:
+                table.add(part, nbytes=nbytes)
+                counts.append(((None, *rest), parquet))
+            part = parts = None
+    if not counts:
         return TableRead(table=schema_for(columns).empty_table())
-    tables = [p[0][0] for p in parts]
-    parts = [((None, *p[0][1:]), p[1]) for p in parts]  # the tables only in `tables`, let go column by column
+    parts = counts
     result = TableRead(
-        table=_contiguous(tables),
+        table=table.table() if encoded else plain_strings(table.table()),
         files=files,
         dropped_lines=sum(p[0][1] for p in parts),
         parquet_files=sum(p[1] for p in parts),
@@ -362,6 +386,27 @@ def read_table(files: Iterable[Path], columns: Sequence[str], stream: str | None
             result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + count
             result.invalid_records += count
     return result
+
+
+def plain_strings(table: pyarrow.Table) -> pyarrow.Table:
+    """`table` with its dictionary-encoded columns decoded (the others as they are: no copy)."""
+    import pyarrow as pa
+
+    for at, column in enumerate(table.columns):
+        if pa.types.is_dictionary(column.type):
+            table = table.set_column(at, table.field(at).name, column.cast(column.type.value_type))
+    return table
+
+
+def _task_bytes(task: list[Path] | BigFile) -> int:
+    """The bytes a task reads (what the rows to reserve are estimated from)."""
+    if isinstance(task, BigFile):
+        return task.ranges[-1][1] if task.ranges else 0
+    total = 0
+    for path in task:
+        with contextlib.suppress(OSError):  # its own read says what is wrong with it
+            total += path.stat().st_size
+    return total
 
 
 def _read_task(paths: list[Path], columns: Sequence[str], stream: str | None) -> list[tuple[Part, bool]]:
@@ -418,7 +463,7 @@ def read_stream(run: RunDir, stream: str, columns: Sequence[str]) -> TableRead:
         read = cached[1]
     else:
         _CACHE.pop(key, None)
-        read = read_table(files, [*columns, *STREAM_COLUMNS.get(stream, ())], stream)
+        read = read_table(files, [*columns, *STREAM_COLUMNS.get(stream, ())], stream, encoded=True)
         while len(_CACHE) >= CACHED_STREAMS:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (stamp, read)

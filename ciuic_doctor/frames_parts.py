@@ -1,7 +1,7 @@
 """Parts of `frames.read_table`: which files are parsed together and which big file is cut in pieces
 (`_batches`, `BigFile`), a batch's or a piece's parse with one file's checks (`_read_batch`,
-`_read_range`), and the parts joined into one contiguous table (`_contiguous`, with `_all_null` for
-columns no record fills). Split from frames.py, which keeps the one-file readers.
+`_read_range`), and `_all_null` for columns no record fills (the parts are joined by
+`frames_assemble`). Split from frames.py, which keeps the one-file readers.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ BATCH_BYTES = 16 << 20  # small files parsed together, up to this much text at o
 class BigFile:
     """A big JSONL file cut at line ends into pieces of ~RANGE_BYTES (`ranges`, byte offsets), the
     bytes after its last newline apart (`tail`: a line a crash left torn). The pieces are parsed by
-    the pool's threads like any other task, and judged together as the one file (`frames._join_big`),
+    the pool's threads like any other task, and judged together as the one file (`frames._add_big`),
     so one pool and one parse-and-check (`_parse_lines`) serve every file; it replaced pyarrow's
     streaming reader, which used threads of its own (memwatch.jsonl of a 10,000-rank job: 23-31 s)."""
 
@@ -186,34 +186,6 @@ def _read_batch(paths: list[Path], columns: Sequence[str], stream: str | None) -
         return None
     out, nulled, _ = parsed
     return out, 0, nulled, {}
-
-
-def _contiguous(tables: list[pyarrow.Table]) -> pyarrow.Table:
-    """The files' tables as one table of one chunk per column, built a column at a time while the parts'
-    copy of it is let go (the peak is the table plus one column). One chunk lets a reader take a numpy
-    view of a column without nulls instead of a copy: at 10,000 ranks each float column is 80 MB."""
-    import pyarrow as pa
-
-    # one table too (memwatch.jsonl parsed in pieces): Table.combine_chunks copied every column at
-    # once, twice the table at its peak (1.8 GB for a 10,000-rank job's samples)
-    parts = tables[0] if len(tables) == 1 else pa.concat_tables(tables)  # no copy: the parts' chunks
-    tables.clear()  # in place: the caller's list lets go too
-    names = parts.column_names
-    columns = []
-    for name in names:
-        column = parts.column(name)
-        chunks = column.chunks
-        if column.null_count == len(column) > 0:
-            columns.append(_all_null(column.type, len(column)))
-        elif len(chunks) == 1:
-            columns.append(chunks[0])
-        else:
-            columns.append(pa.concat_arrays(chunks) if chunks else pa.nulls(0, column.type))
-        del column, chunks
-        parts = parts.drop_columns([name])
-    del parts
-    pa.default_memory_pool().release_unused()  # the parse's blocks: mimalloc keeps them otherwise
-    return pa.table(dict(zip(names, columns, strict=True)))
 
 
 def _all_null(kind: pyarrow.DataType, rows: int) -> pyarrow.Array:

@@ -32,11 +32,10 @@ stays on the fast path. A free field's value of the wrong type for its column be
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor import columnar_schema
 from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
-from ciuic_doctor.frames_assemble import Assembler
+from ciuic_doctor.frames_assemble import Assembler, add_big, plain_strings, task_bytes
 from ciuic_doctor.frames_parts import BigFile, Part, _batches, _read_batch, _read_range
 from ciuic_doctor.store import RunDir, StreamRead
 from ciuic_doctor.stream_read import _open_regular
@@ -247,39 +246,6 @@ def _with_tail(
     return (tables[0] if len(tables) == 1 else pa.concat_tables(tables)), dropped, nulled, invalid
 
 
-def _add_big(
-    big: BigFile, results: Iterator[Any], table: Assembler, columns: Sequence[str], stream: str | None
-) -> Part:
-    """A big file's pieces copied into `table` as they come, judged as the one file they are: when any
-    piece failed its checks, what was copied is taken back and the whole file read by row
-    (`_read_jsonl`'s rule: what is dropped and counted is the row reader's). The file's counts (no
-    table: it is in `table`)."""
-    start, nulled, failed = table.mark(), {}, False
-    share = max(big.ranges[-1][1] // len(big.ranges), 1) if big.ranges else 0
-    for _ in big.ranges:
-        piece = next(results)  # every piece is taken, even after a failed one: the pool made them all
-        if piece is None:
-            failed = True
-        elif not failed:
-            (part, _, more, _), _ = piece
-            table.add(part, nbytes=share)
-            for column, count in more.items():
-                nulled[column] = nulled.get(column, 0) + count
-        piece = part = None
-    if failed:
-        table.rollback(start)
-        part, *counts = _read_rows(big.path, columns, stream)
-        table.add(part, nbytes=0)
-        return (None, *counts)
-    if not big.tail.strip():
-        return None, 0, nulled, {}
-    part, dropped, more, invalid = _rows([big.tail], columns, stream)  # a torn last line: the row path
-    table.add(part, nbytes=len(big.tail))
-    for column, count in more.items():
-        nulled[column] = nulled.get(column, 0) + count
-    return None, dropped, nulled, invalid
-
-
 def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
     """Only `columns` of a compacted file; columns `compact` stored as JSON text are decoded and coerced."""
     import pyarrow as pa
@@ -355,17 +321,23 @@ def read_table(
             return _read_range(task.path, *task.ranges[piece], columns, stream)
         return _read_task(task, columns, stream)
 
+    def by_row(path: Path) -> Part:  # a big file a piece of which failed its checks
+        return _read_rows(path, columns, stream)
+
+    def lines_by_row(lines: list[bytes]) -> Part:  # a big file's torn last line
+        return _rows(lines, columns, stream)
+
     threads = max(1, min(MAX_THREADS, len(units), (os.cpu_count() or 1) * 2))
-    table = Assembler(total_bytes=sum(_task_bytes(task) for task in tasks))
+    table = Assembler(total_bytes=sum(task_bytes(task) for task in tasks))
     counts: list[tuple[Part, bool]] = []  # each part's counts; its table is let go once copied
     with ThreadPoolExecutor(max_workers=threads) as pool:
         done = pool.map(work, units)  # in order, each result let go by the pool as it is taken
         for task in tasks:
             if isinstance(task, BigFile):
-                counts.append((_add_big(task, done, table, columns, stream), False))
+                counts.append((add_big(task, done, table, by_row, lines_by_row), False))
                 continue
             parts = next(done)
-            nbytes = _task_bytes(task) // max(len(parts), 1)
+            nbytes = task_bytes(task) // max(len(parts), 1)
             for (part, *rest), parquet in parts:
                 table.add(part, nbytes=nbytes)
                 counts.append(((None, *rest), parquet))
@@ -386,27 +358,6 @@ def read_table(
             result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + count
             result.invalid_records += count
     return result
-
-
-def plain_strings(table: pyarrow.Table) -> pyarrow.Table:
-    """`table` with its dictionary-encoded columns decoded (the others as they are: no copy)."""
-    import pyarrow as pa
-
-    for at, column in enumerate(table.columns):
-        if pa.types.is_dictionary(column.type):
-            table = table.set_column(at, table.field(at).name, column.cast(column.type.value_type))
-    return table
-
-
-def _task_bytes(task: list[Path] | BigFile) -> int:
-    """The bytes a task reads (what the rows to reserve are estimated from)."""
-    if isinstance(task, BigFile):
-        return task.ranges[-1][1] if task.ranges else 0
-    total = 0
-    for path in task:
-        with contextlib.suppress(OSError):  # its own read says what is wrong with it
-            total += path.stat().st_size
-    return total
 
 
 def _read_task(paths: list[Path], columns: Sequence[str], stream: str | None) -> list[tuple[Part, bool]]:

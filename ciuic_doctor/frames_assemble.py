@@ -11,7 +11,9 @@ the parse reuses its memory for the next part.
 A column of numbers or booleans goes to a numpy buffer reserved for the rows the stream's bytes promise
 (reserved, not touched: the OS gives pages on first write, so an over-estimate costs address space only)
 and grows if a part brings more. Other columns (strings, lists) keep the parts' chunks and are joined at
-the end, one column at a time.
+the end, one column at a time. A big file's pieces go in as they come (`add_big`), taken back if a
+later piece fails its checks. The table keeps a string column of few values as dictionary codes;
+`plain_strings` decodes them for a reader.
 
 >>> import pyarrow as pa
 >>> table = Assembler(total_bytes=20)
@@ -23,9 +25,15 @@ the end, one column at a time.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.frames_parts import BigFile, Part, _all_null
+
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import numpy as np
     import pyarrow
 
@@ -87,8 +95,6 @@ class _Numbers:
         import numpy as np
         import pyarrow as pa
 
-        from ciuic_doctor.frames_parts import _all_null
-
         if rows and self.nulls == rows:
             return _all_null(self.kind, rows)
         validity = None
@@ -126,8 +132,6 @@ class _Chunks:
 
     def array(self, rows: int) -> pyarrow.Array:
         import pyarrow as pa
-
-        from ciuic_doctor.frames_parts import _all_null
 
         chunks, self.chunks = self.chunks, []
         if rows and sum(c.null_count for c in chunks) == rows:
@@ -199,8 +203,6 @@ class _Strings:
             return self.plain.array(rows)
         codes = self.codes.array(rows)
         if rows and codes.null_count == rows:
-            from ciuic_doctor.frames_parts import _all_null
-
             return _all_null(self.kind, rows)
         return pa.DictionaryArray.from_arrays(codes, pa.array(list(self.values), self.kind))
 
@@ -274,3 +276,61 @@ class Assembler:
         for name in list(self.columns):
             arrays[name] = self.columns.pop(name).array(self.rows)
         return pa.table(arrays)  # not schema=self.schema: that would decode the dictionary columns
+
+
+def plain_strings(table: pyarrow.Table) -> pyarrow.Table:
+    """`table` with its dictionary-encoded columns decoded (the others as they are: no copy)."""
+    import pyarrow as pa
+
+    for at, column in enumerate(table.columns):
+        if pa.types.is_dictionary(column.type):
+            table = table.set_column(at, table.field(at).name, column.cast(column.type.value_type))
+    return table
+
+
+def task_bytes(task: list[Path] | BigFile) -> int:
+    """The bytes a task reads (what the rows to reserve are estimated from)."""
+    if isinstance(task, BigFile):
+        return task.ranges[-1][1] if task.ranges else 0
+    total = 0
+    for path in task:
+        with contextlib.suppress(OSError):  # its own read says what is wrong with it
+            total += path.stat().st_size
+    return total
+
+
+def add_big(
+    big: BigFile,
+    results: Iterator[Any],
+    table: Assembler,
+    by_row: Callable[[Path], Part],
+    lines_by_row: Callable[[list[bytes]], Part],
+) -> Part:
+    """A big file's pieces copied into `table` as they come, judged as the one file they are: when any
+    piece failed its checks, what was copied is taken back and the whole file read by row (`by_row`:
+    `_read_jsonl`'s rule, what is dropped and counted is the row reader's); a torn last line is read by
+    `lines_by_row`. The file's counts (no table: it is in `table`)."""
+    start, nulled, failed = table.mark(), {}, False
+    share = max(big.ranges[-1][1] // len(big.ranges), 1) if big.ranges else 0
+    for _ in big.ranges:
+        piece = next(results)  # every piece is taken, even after a failed one: the pool made them all
+        if piece is None:
+            failed = True
+        elif not failed:
+            (part, _, more, _), _ = piece
+            table.add(part, nbytes=share)
+            for column, count in more.items():
+                nulled[column] = nulled.get(column, 0) + count
+        piece = part = None
+    if failed:
+        table.rollback(start)
+        part, *counts = by_row(big.path)
+        table.add(part, nbytes=0)
+        return (None, *counts)
+    if not big.tail.strip():
+        return None, 0, nulled, {}
+    part, dropped, more, invalid = lines_by_row([big.tail])  # a torn last line: the row path
+    table.add(part, nbytes=len(big.tail))
+    for column, count in more.items():
+        nulled[column] = nulled.get(column, 0) + count
+    return None, dropped, nulled, invalid

@@ -1,4 +1,5 @@
-"""Cross-rank step-time arithmetic for `steps.py`: one ranks × steps matrix, every rank judged at once.
+"""Cross-rank step-time arithmetic for `steps.py`: one ranks × steps matrix (`_step_grid`), every rank
+judged at once.
 
 The pace of rank r at step s is divided by the (lower) median pace of all ranks at that step: a step that
 is slow everywhere (an eval, a checkpoint, a longer batch) cancels out, and what is left is how much slower
@@ -28,9 +29,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.analysis._step_grid import rank_step_grid, step_matrix  # noqa: F401 - the report's, steps.py's
+
 if TYPE_CHECKING:
     import numpy as np
-    import pandas as pd
 
 SLOW_FRACTION = 0.10  # a rank ≥ 10 % slower than the others' median is worth acting on
 SIGNIFICANCE_Z = 5.0
@@ -66,87 +68,6 @@ class StepMatrix:
     @property
     def host_of(self) -> dict[int, str | None]:
         return dict(zip(self.ranks.tolist(), self.hosts, strict=True))
-
-
-def _grid(frame: pd.DataFrame, ranks: np.ndarray, steps: np.ndarray, column: str) -> np.ndarray:
-    import numpy as np
-
-    grid = np.full((len(ranks), len(steps)), np.nan)
-    if column not in frame:
-        return grid
-    values = frame[column].to_numpy(dtype=float, na_value=np.nan)
-    rows = np.searchsorted(ranks, frame["rank"].to_numpy())
-    cols = np.searchsorted(steps, frame["step"].to_numpy())
-    grid[rows, cols] = values  # duplicates (a restarted rank): the later record wins
-    grid[~np.isfinite(grid)] = np.nan
-    return grid
-
-
-def rank_step_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ranks, steps, ranks × steps values of `column`) from rows with a whole-number rank and step."""
-    import numpy as np
-    import pandas as pd
-
-    rank = pd.to_numeric(frame["rank"], errors="coerce") if "rank" in frame else pd.Series(dtype=float)
-    step = pd.to_numeric(frame["step"], errors="coerce") if "step" in frame else pd.Series(dtype=float)
-    keep = (rank.notna() & step.notna()).to_numpy()
-    frame = frame[keep].assign(rank=rank[keep].astype("int64"), step=step[keep].astype("int64"))
-    ranks, steps = np.unique(frame["rank"].to_numpy()), np.unique(frame["step"].to_numpy())
-    return ranks, steps, _grid(frame, ranks, steps, column)
-
-
-def last_host(frame: pd.DataFrame, ranks: np.ndarray) -> list[str | None]:
-    """Each rank's host: the last one its records name (vectorised; no Python loop over rows)."""
-    import numpy as np
-    import pandas as pd
-
-    if "host" not in frame:
-        return [None] * len(ranks)
-    codes, names = pd.factorize(frame["host"])
-    valid = codes >= 0
-    row_ranks, row_codes = frame["rank"].to_numpy()[valid][::-1], codes[valid][::-1]
-    seen, first = np.unique(row_ranks, return_index=True)  # reversed: the first seen is the last written
-    by_rank = dict(zip(seen.tolist(), row_codes[first].tolist(), strict=True))
-    return [str(names[by_rank[r]]) if r in by_rank else None for r in ranks.tolist()]
-
-
-def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int) -> StepMatrix | None:
-    """The steps stream as matrices (rows with a whole-number rank and step only); None when empty."""
-    import numpy as np
-    import pandas as pd
-
-    # each filter or assign copies every column (10 M rows and a host string each at 10,000 ranks):
-    # only the ones that change something run
-    if "rank" not in frame or "step" not in frame or frame.empty:
-        return None
-    rank = pd.to_numeric(frame["rank"], errors="coerce")
-    step = pd.to_numeric(frame["step"], errors="coerce")
-    keep = (rank.notna() & step.notna()).to_numpy()
-    if not keep.all():
-        frame, rank, step = frame[keep], rank[keep], step[keep]
-    if rank.dtype != "int64" or step.dtype != "int64" or frame["rank"].dtype != "int64":
-        frame = frame.assign(rank=rank.astype("int64"), step=step.astype("int64"))
-    if frame.empty:
-        return None
-    all_steps = np.unique(frame["step"].to_numpy())
-    steady = all_steps[all_steps > warmup_steps]
-    steps = steady if len(steady) >= min_steady_steps else all_steps
-    if len(steps) < len(all_steps):
-        frame = frame[frame["step"].isin(steps).to_numpy()]
-    ranks = np.unique(frame["rank"].to_numpy())
-    hosts = last_host(frame, ranks)
-    step_time = _grid(frame, ranks, steps, "step_time_s")
-    pace = _grid(frame, ranks, steps, "pre_backward_s")
-    # pre_backward_s is the rank's own pace; without it (other tools' logs) step time is all there is
-    has_pace = bool(np.isfinite(pace).any(axis=1).all())
-    return StepMatrix(
-        ranks=ranks,
-        steps=steps,
-        hosts=hosts,
-        step_time_s=step_time,
-        pace_s=pace if has_pace else step_time,
-        pace_metric="pre_backward_s" if has_pace else "step_time_s",
-    )
 
 
 def normalised(values: np.ndarray, typical_rows: np.ndarray | None = None) -> np.ndarray:

@@ -38,6 +38,7 @@ from ciuic_doctor.analysis._crossrank import (
     slow_hosts,
     step_matrix,
 )
+from ciuic_doctor.analysis._step_grid import TIMES, matrix_from_table
 from ciuic_doctor.findings import Finding
 from ciuic_doctor.measures.ranks import CHECKSUM_RTOL, differing_ranks  # noqa: F401 - part of this module's API
 from ciuic_doctor.store import RunDir, as_float
@@ -64,8 +65,8 @@ def analyze(run: RunDir) -> list[Finding]:
     # checksums are recorded every K steps: the few rows that carry one go to the row-wise check
     carries = pc.or_(pc.is_valid(table["weights_checksum"]), pc.is_valid(table["desync_ranks"]))
     checks = table.filter(carries).select(["rank", "step", "weights_checksum", "desync_ranks"]).to_pylist()
-    frame = table.select(["rank", "step", "host", "step_time_s", "pre_backward_s"]).to_pandas()
-    return [check_rank_desync(checks), *check_pace(frame)]
+    # the table itself, not a pandas copy of it: the matrix is read from it in blocks (`_step_grid`)
+    return [check_rank_desync(checks), *check_pace(table.select(["rank", "step", "host", *TIMES]))]
 
 
 # ---- rank_desync -------------------------------------------------------------------------------
@@ -149,11 +150,15 @@ MAX_NAMED = 32  # ranks listed by name in a finding's evidence; the rest are cou
 
 
 def _matrix(data: Any) -> StepMatrix | None:
-    """A StepMatrix from records (a list of dicts, as the row reader gives them) or a DataFrame."""
+    """A StepMatrix from records (a list of dicts, as the row reader gives them), a DataFrame or the
+    steps' arrow table."""
     import pandas as pd
+    import pyarrow as pa
 
     if isinstance(data, StepMatrix) or data is None:
         return data
+    if isinstance(data, pa.Table):
+        return matrix_from_table(data, warmup_steps=WARMUP_STEPS, min_steady_steps=MIN_STEADY_STEPS)
     frame = data if isinstance(data, pd.DataFrame) else pd.DataFrame.from_records(data)
     for column in ("step_time_s", "pre_backward_s"):
         if column in frame and frame[column].dtype == object:

@@ -1,9 +1,11 @@
 """The steps analysis read in blocks gives what the per-record rules give, whatever the block size and the
 row order: the ranks × steps grids (`_step_grid`: rows in any order, a (rank, step) recorded twice, rows
-without a rank or step, missing and changing hosts, a host column dictionary-encoded or all null)."""
+without a rank or step, missing and changing hosts, a host column dictionary-encoded or all null),
+and the judgement of every rank (`_crossrank`, `_pace_stats`: blocks of ranks and steps)."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -12,7 +14,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.analysis import _crossrank, _step_grid, steps
+from ciuic_doctor.analysis import _crossrank, _pace_stats, _step_grid, steps
 from ciuic_doctor.analysis._step_grid import matrix_from_table
 from ciuic_doctor.columnar_schema import schema_for
 
@@ -142,12 +144,41 @@ def test_findings_same_for_shuffled_rows_and_small_blocks(monkeypatch):
     ordered = _pace_findings(_table(rows))
     random.Random(1).shuffle(rows)
     assert _pace_findings(_table(rows)) == ordered
-    monkeypatch.setattr(_step_grid, "BLOCK_ROWS", 13)
+    for module, name, value in (
+        (_step_grid, "BLOCK_ROWS", 13),
+        (_crossrank, "RANK_BLOCK", 3),
+        (_pace_stats, "RANK_BLOCK", 3),
+        (_pace_stats, "STEP_BLOCK", 7),
+    ):
+        monkeypatch.setattr(module, name, value)
     assert _pace_findings(_table(rows)) == ordered
     kinds = {
         d["rank"]: d["kind"] for d in ordered[0]["evidence"]["chronic"] + ordered[1]["evidence"]["changed"]
     }
     assert kinds == {11: "chronic", 7: "onset"}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_classify_in_blocks_equals_one_block(seed, monkeypatch):
+    rnd = np.random.default_rng(seed)
+    pace = 0.3 * (1 + rnd.normal(0, 0.03, (50, 120)))
+    pace[rnd.random(pace.shape) < 0.02] = np.nan
+    pace[5, 60:] *= 1.4
+    pace[9:17] *= 1.25  # a slow host: the second pass's median leaves them out
+    pace[20] = np.nan  # a rank without a value
+    matrix = _crossrank.StepMatrix(
+        ranks=np.arange(50),
+        steps=np.arange(1, 121),
+        hosts=[f"h{r // 8}" for r in range(50)],
+        step_time_s=pace + 0.1,
+        pace_s=pace,
+        pace_metric="pre_backward_s",
+    )
+    whole = json.dumps([p.to_dict() for p in _crossrank.classify(matrix)])  # NaN level: a rank without pace
+    for module, name, value in ((_crossrank, "RANK_BLOCK", 4), (_pace_stats, "RANK_BLOCK", 4)):
+        monkeypatch.setattr(module, name, value)
+    monkeypatch.setattr(_pace_stats, "STEP_BLOCK", 9)
+    assert json.dumps([p.to_dict() for p in _crossrank.classify(matrix)]) == whole
 
 
 def test_records_frame_keeps_the_pandas_rules():

@@ -1,5 +1,5 @@
 """Cross-rank step-time arithmetic for `steps.py`: one ranks × steps matrix (`_step_grid`), every rank
-judged at once.
+judged by the same vectorised rules, RANK_BLOCK ranks at a time (`_pace_stats`).
 
 The pace of rank r at step s is divided by the (lower) median pace of all ranks at that step: a step that
 is slow everywhere (an eval, a checkpoint, a longer batch) cancels out, and what is left is how much slower
@@ -23,12 +23,18 @@ Pure numpy; no torch, no records.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.analysis._pace_stats import (  # noqa: F401 - quiet_nan, normalised: the report's too
+    MAD_TO_SIGMA,
+    RANK_BLOCK,
+    Seconds,
+    normalised,
+    quiet_nan,
+    row_medians,
+    typical_pace,
+)
 from ciuic_doctor.analysis._step_grid import rank_step_grid, step_matrix  # noqa: F401 - the report's, steps.py's
 
 if TYPE_CHECKING:
@@ -41,17 +47,6 @@ MIN_SEGMENT_STEPS = 10
 MIN_SEGMENT_FRACTION = 0.05
 ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
 ONE_OFF_SIGMAS = 6.0
-MAD_TO_SIGMA = 1.4826
-
-
-@contextlib.contextmanager
-def quiet_nan() -> Iterator[None]:
-    """Silence numpy's warnings for all-NaN rows (a rank without a value): they are handled as NaN."""
-    import numpy as np
-
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
 
 
 @dataclass(kw_only=True)
@@ -68,22 +63,6 @@ class StepMatrix:
     @property
     def host_of(self) -> dict[int, str | None]:
         return dict(zip(self.ranks.tolist(), self.hosts, strict=True))
-
-
-def normalised(values: np.ndarray, typical_rows: np.ndarray | None = None) -> np.ndarray:
-    """Each value over the lower median of its step's column (NaN where a step has no value); with
-    `typical_rows` (a boolean mask of ranks), the median of those rows only."""
-    import numpy as np
-
-    with quiet_nan():
-        reference = values if typical_rows is None else np.where(typical_rows[:, None], values, np.nan)
-        finite = np.isfinite(reference)
-        count = finite.sum(axis=0)
-        ordered = np.sort(np.where(finite, reference, np.inf), axis=0)  # NaN sorted last, as +inf
-        index = np.clip((count - 1) // 2, 0, None)
-        typical = ordered[index, np.arange(values.shape[1])]
-        typical = np.where((count > 0) & (typical > 0), typical, np.nan)
-        return values / typical
 
 
 @dataclass(kw_only=True)
@@ -148,22 +127,35 @@ def classify(matrix: StepMatrix) -> list[RankPace]:
     "typical" rank it is measured against (16 % instead of 18 % with the slow ranks in the median)."""
     import numpy as np
 
-    first = _classify(matrix, normalised(matrix.pace_s))
+    seconds = Seconds.of(matrix.pace_s)
+    first = _classify(matrix, typical_pace(matrix.pace_s), seconds)
     at_pace = np.array([p.kind in ("ok", "one_off") for p in first])
     if at_pace.all() or at_pace.sum() < 2:
         return first
-    return _classify(matrix, normalised(matrix.pace_s, at_pace))
+    return _classify(matrix, typical_pace(matrix.pace_s, at_pace), seconds)
 
 
-def _classify(matrix: StepMatrix, norm: np.ndarray) -> list[RankPace]:
+def _classify(matrix: StepMatrix, typical: np.ndarray, seconds: Seconds) -> list[RankPace]:
+    """RANK_BLOCK ranks at a time: a dozen temporaries of the block's shape are alive at once (165 MiB
+    over the whole matrix at 3,000 ranks × 1,000 steps)."""
+    out: list[RankPace] = []
+    for lo in range(0, len(matrix.ranks), RANK_BLOCK):
+        with quiet_nan():
+            norm = matrix.pace_s[lo : lo + RANK_BLOCK] / typical
+        out.extend(_classify_block(matrix, norm, lo, seconds))
+    return out
+
+
+def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seconds) -> list[RankPace]:
+    """The RankPace of the ranks from `lo` on, `norm` their normalised pace."""
     import numpy as np
 
-    with quiet_nan():
-        level = np.nanmedian(norm, axis=1)
+    level = row_medians(norm)
     n_steps = norm.shape[1]
     min_segment = max(MIN_SEGMENT_STEPS, int(MIN_SEGMENT_FRACTION * n_steps))
     fill = np.where(np.isfinite(norm), norm, level[:, None])
     clipped = np.clip(np.nan_to_num(fill, nan=1.0), 0.0, 2.0)
+    del fill
     splits = _change_points(clipped, min_segment) if n_steps >= 2 * min_segment else None
     if splits is not None:
         k_idx = np.arange(n_steps)[None, :] < splits[:, None]
@@ -172,20 +164,17 @@ def _classify(matrix: StepMatrix, norm: np.ndarray) -> list[RankPace]:
             mean_after = np.where(~k_idx, clipped, 0).sum(axis=1) / (n_steps - splits)
         candidates = np.abs(mean_after - mean_before) >= SLOW_FRACTION / 2
     else:
-        candidates = np.zeros(len(matrix.ranks), dtype=bool)
+        candidates = np.zeros(len(norm), dtype=bool)
+    del clipped
     # one-off steps: far above the others at that step, counted on every rank (vectorised)
     with quiet_nan():
         deviation = np.abs(norm - level[:, None])
-        sigma = MAD_TO_SIGMA * np.nanmedian(deviation, axis=1)
+        sigma = MAD_TO_SIGMA * row_medians(deviation)
         spikes = norm - level[:, None] >= np.maximum(ONE_OFF_FRACTION, ONE_OFF_SIGMAS * sigma)[:, None]
-        # the same test in seconds, as steps.py judged a straggler before (a short run's ratios are noisy
-        # when the typical pace is small: 8 steps of a tiny job under load)
-        raw_median = np.nanmedian(matrix.pace_s, axis=1)
-        raw_mad = np.nanmedian(np.abs(matrix.pace_s - raw_median[:, None]), axis=1) * MAD_TO_SIGMA
-        typical_s, typical_mad = np.nanmedian(raw_median), np.nanmedian(raw_mad)
+    del deviation
     out: list[RankPace] = []
-    for i, rank in enumerate(matrix.ranks.tolist()):
-        pace = RankPace(rank=rank, host=matrix.hosts[i], level=float(level[i]), kind="ok")
+    for i, rank in enumerate(matrix.ranks[lo : lo + len(norm)].tolist()):
+        pace = RankPace(rank=rank, host=matrix.hosts[lo + i], level=float(level[i]), kind="ok")
         row = norm[i]
         if candidates[i]:
             k = int(splits[i])
@@ -205,8 +194,8 @@ def _classify(matrix: StepMatrix, norm: np.ndarray) -> list[RankPace]:
         if pace.kind == "ok" and level[i] - 1.0 >= SLOW_FRACTION:
             n = int(np.isfinite(row).sum())
             z_test = level[i] - 1.0 > SIGNIFICANCE_Z * float(sigma[i]) / max(1.0, np.sqrt(n))
-            seconds = raw_median[i] - typical_s > NOISE_MADS * (raw_mad[i] + typical_mad)
-            if z_test or seconds:
+            excess = seconds.median[lo + i] - seconds.typical
+            if z_test or excess > NOISE_MADS * (seconds.mad[lo + i] + seconds.typical_mad):
                 pace.kind = "chronic"
         one_off = matrix.steps[spikes[i]].tolist()
         if one_off:

@@ -34,7 +34,7 @@ from ciuic_doctor.analysis._crossrank import (
     RankPace,
     StepMatrix,
     classify,
-    quiet_nan,
+    row_medians,
     slow_hosts,
     step_matrix,
 )
@@ -241,9 +241,7 @@ def _step_time(matrix: StepMatrix, paces: list[RankPace], own: list[RankPace]) -
     """Chronic stragglers: ranks slower than the others over the whole run (not explained by their host)."""
     import numpy as np
 
-    with quiet_nan():
-        step_medians = np.nanmedian(matrix.step_time_s, axis=1)
-        pace_medians = np.nanmedian(matrix.pace_s, axis=1)
+    step_medians, pace_medians = row_medians(matrix.step_time_s), row_medians(matrix.pace_s)
     index = {rank: i for i, rank in enumerate(matrix.ranks.tolist())}
     chronic = sorted((p for p in own if p.kind == "chronic"), key=lambda p: -p.level)
     slowest = chronic[0] if chronic else max(own or paces, key=lambda p: p.level)

@@ -181,6 +181,18 @@ def test_classify_in_blocks_equals_one_block(seed, monkeypatch):
     assert json.dumps([p.to_dict() for p in _crossrank.classify(matrix)]) == whole
 
 
+@pytest.mark.parametrize("columns", [1, 2, 7, 599, 600, 601, 1000])
+def test_row_medians_equal_nanmedian(columns):
+    rnd = np.random.default_rng(columns)
+    for share in (0.0, 0.01, 0.5, 1.0):
+        values = np.round(rnd.normal(1, 0.1, (300, columns)), 2)  # ties
+        values[rnd.random(values.shape) < share] = np.nan
+        values[rnd.random(values.shape) < 0.01] = np.inf
+        with _pace_stats.quiet_nan():
+            want = np.nanmedian(values, axis=1)
+        assert np.array_equal(_pace_stats.row_medians(values), want, equal_nan=True)
+
+
 def test_records_frame_keeps_the_pandas_rules():
     """Ranks and steps written as floats or text in imported records: whole numbers kept, others out."""
     rows = [

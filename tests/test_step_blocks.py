@@ -1,7 +1,8 @@
 """The steps analysis read in blocks gives what the per-record rules give, whatever the block size and the
 row order: the ranks × steps grids (`_step_grid`: rows in any order, a (rank, step) recorded twice, rows
-without a rank or step, missing and changing hosts, a host column dictionary-encoded or all null),
-and the judgement of every rank (`_crossrank`, `_pace_stats`: blocks of ranks and steps)."""
+without a rank or step, missing and changing hosts, a host column dictionary-encoded or all null), the
+judgement of every rank (`_crossrank`, `_pace_stats`: blocks of ranks and steps), and rank_desync's
+checksums from the table's columns (`_desync`) against the records."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.analysis import _crossrank, _pace_stats, _step_grid, steps
+from ciuic_doctor.analysis import _crossrank, _desync, _pace_stats, _step_grid, steps
 from ciuic_doctor.analysis._step_grid import matrix_from_table
 from ciuic_doctor.columnar_schema import schema_for
+from ciuic_doctor.measures.ranks import differing_ranks
 
 COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks")
 CHECKSUMS = [5.0, 5.0, 5.0 + 1e-3, math.nan]
@@ -191,6 +193,28 @@ def test_row_medians_equal_nanmedian(columns):
         with _pace_stats.quiet_nan():
             want = np.nanmedian(values, axis=1)
         assert np.array_equal(_pace_stats.row_medians(values), want, equal_nan=True)
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_desync_from_the_table_equals_the_records(seed):
+    rows = _rows(seed)
+    if seed % 5 == 4:  # no checksum at all, a report only or not even that
+        rows = [{**row, "weights_checksum": None} for row in rows if seed % 2 or not row["desync_ranks"]]
+    if seed % 3 == 0:  # checksums that differ from a step on
+        for row in rows:
+            if row["weights_checksum"] is not None and row["rank"] == 1 and (row["step"] or 0) > 20:
+                row["weights_checksum"] = 6.0
+    want = json.dumps(steps.check_rank_desync(rows).to_dict())  # a NaN checksum: equal as text
+    for table in (_table(rows), _table(rows, dictionary=True)):
+        assert json.dumps(steps.rank_desync_finding(_desync.from_table(table)).to_dict()) == want
+
+
+def test_desync_differing_equals_differing_ranks():
+    rnd = random.Random(3)
+    for _ in range(300):
+        values = [rnd.choice([1.0, 1.0 + 1e-9, 1.5, 1e12, math.nan, math.inf, -math.inf]) for _ in range(6)]
+        check = _desync.StepChecks(step=1, ranks=np.arange(6), checksums=np.array(values))
+        assert check.differing() == set(differing_ranks(values, list(range(6))))
 
 
 def test_records_frame_keeps_the_pandas_rules():

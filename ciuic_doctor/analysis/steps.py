@@ -26,9 +26,9 @@ Pure functions of records: no torch.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
+from ciuic_doctor.analysis import _desync
 from ciuic_doctor.analysis._crossrank import (
     SLOW_FRACTION,
     RankPace,
@@ -57,92 +57,74 @@ COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "weights_che
 
 def analyze(run: RunDir) -> list[Finding]:
     """Read only the columns the checks use, every rank's file in parallel (frames.read_stream)."""
-    import pyarrow.compute as pc
-
     from ciuic_doctor.frames import read_stream
 
     table = read_stream(run, "steps", COLUMNS).table
-    # checksums are recorded every K steps: the few rows that carry one go to the row-wise check
-    carries = pc.or_(pc.is_valid(table["weights_checksum"]), pc.is_valid(table["desync_ranks"]))
-    checks = table.filter(carries).select(["rank", "step", "weights_checksum", "desync_ranks"]).to_pylist()
-    # the table itself, not a pandas copy of it: the matrix is read from it in blocks (`_step_grid`)
-    return [check_rank_desync(checks), *check_pace(table.select(["rank", "step", "host", *TIMES]))]
+    # the table itself, not a pandas copy or dicts of its rows: both checks read its columns (`_desync`,
+    # `_step_grid`)
+    return [
+        rank_desync_finding(_desync.from_table(table)),
+        *check_pace(table.select(["rank", "step", "host", *TIMES])),
+    ]
 
 
 # ---- rank_desync -------------------------------------------------------------------------------
 def check_rank_desync(records: list[dict[str, Any]]) -> Finding:
-    by_step: dict[int, dict[int, float]] = defaultdict(dict)
-    reported: dict[int, set[int]] = defaultdict(set)
-    for rec in records:
-        step, rank = rec.get("step"), rec.get("rank")
-        if not isinstance(step, int) or not isinstance(rank, int):
-            continue
-        value = as_float(rec.get("weights_checksum"))
-        if value is not None:
-            by_step[step][rank] = value
-        if rec.get("desync_ranks"):
-            reported[step].update(int(r) for r in rec["desync_ranks"])
-    steps = sorted(set(by_step) | set(reported))
-    if not steps:
+    return rank_desync_finding(_desync.from_records(records))
+
+
+def rank_desync_finding(checks: list[_desync.StepChecks]) -> Finding:
+    """The first check step where a rank's weights differ (fail), else pass; not_run without checks."""
+    import numpy as np
+
+    if not checks:
         return Finding(
             probe=PROBE,
             check="rank_desync",
             verdict="not_run",
             summary="no weight checksums recorded (one rank, no DDP module seen, or --no-checksum)",
         )
-    ranks_seen = sorted({rank for values in by_step.values() for rank in values})
-    for step in steps:
-        values = by_step.get(step, {})
-        ordered = sorted(values)
-        bad = set(differing_ranks([values[r] for r in ordered], ordered)) if len(ordered) > 1 else set()
-        bad |= reported.get(step, set())
+    for check in checks:
+        bad = check.differing()
         if bad:
             ranks = sorted(bad)
-            reference = ordered[0] if ordered else 0
+            reference = int(check.ranks[0]) if len(check.ranks) else 0
             return Finding(
                 probe=PROBE,
                 check="rank_desync",
                 verdict="fail",
                 summary=(
-                    f"weights differ across ranks from step {step}: rank(s) {ranks} differ from rank "
+                    f"weights differ across ranks from step {check.step}: rank(s) {ranks} differ from rank "
                     f"{reference}. The replicas train different models from here on; look for a per-rank "
                     "seed without DDP's initial broadcast, a rank that skipped or repeated a step, or "
                     "weights changed outside the optimizer."
                 ),
                 evidence={
-                    "step": step,
+                    "step": check.step,
                     "ranks": ranks,
-                    "checksums": {str(r): values[r] for r in ordered},
-                    "checked_steps": len(steps),
-                    "desynced_checks": sum(
-                        1 for s in steps if _desynced(by_step.get(s, {}), reported.get(s))
-                    ),
+                    "checksums": check.values(),
+                    "checked_steps": len(checks),
+                    "desynced_checks": sum(1 for c in checks if c.differing()),
                 },
-                where={"step": step, "rank": ranks[0]},
+                where={"step": check.step, "rank": ranks[0]},
             )
-    last = steps[-1]
+    ranks_seen = np.unique(np.concatenate([c.ranks for c in checks]))
+    last = checks[-1]
     return Finding(
         probe=PROBE,
         check="rank_desync",
         verdict="pass",
         summary=(
-            f"weights identical on all {len(ranks_seen)} ranks at every one of {len(steps)} checks "
-            f"(last at step {last})"
+            f"weights identical on all {len(ranks_seen)} ranks at every one of {len(checks)} checks "
+            f"(last at step {last.step})"
         ),
         evidence={
-            "step": last,
+            "step": last.step,
             "ranks": [],
-            "checksums": {str(r): v for r, v in sorted(by_step.get(last, {}).items())},
-            "checked_steps": len(steps),
+            "checksums": last.values(),
+            "checked_steps": len(checks),
         },
     )
-
-
-def _desynced(values: dict[int, float], reported: set[int] | None) -> bool:
-    ordered = sorted(values)
-    if len(ordered) > 1 and differing_ranks([values[r] for r in ordered], ordered):
-        return True
-    return bool(reported)
 
 
 # ---- pace: step_time (chronic), straggler_onset (from step k), slow_host -----------------------------

@@ -1,14 +1,18 @@
 """The grouped tokens/s and goodput (analysis/_throughput_columns.py) give the per-record rules' figures
 (throughput.tokens_per_s, throughput.goodput) on fuzzed ranks: skipped steps, a second optimizer,
-rollbacks that repeat a step, missing tokens, segments, zero and null step times, a NaN value."""
+rollbacks that repeat a step, missing tokens, segments, zero and null step times, a NaN value; and the
+same figures, in the same order, read in blocks of ranks of any size, from rows rank by rank or
+interleaved."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pyarrow as pa
 import pytest
 
+from ciuic_doctor.analysis import _rank_blocks
 from ciuic_doctor.analysis._throughput_columns import COLUMNS, per_rank
 from ciuic_doctor.analysis.throughput import goodput, tokens_per_s
 from ciuic_doctor.columnar_schema import schema_for
@@ -67,3 +71,72 @@ def test_grouped_figures_equal_the_per_record_rules(seed):
         assert rates[rank] == pytest.approx(value, rel=1e-12, nan_ok=True)
     for rank, figures in want_good.items():
         assert good[rank] == pytest.approx(figures, rel=1e-9, abs=1e-9, nan_ok=True)
+
+
+# ---- blocks of whole ranks (analysis/_rank_blocks.py) ---------------------------------------------------
+def _figures(rows: list[dict], created, block_rows: int, monkeypatch) -> str:
+    """per_rank's dicts, order included (ties between ranks are broken in it), as text (NaN compares)."""
+    monkeypatch.setattr(_rank_blocks, "BLOCK_ROWS", block_rows)
+    table = pa.Table.from_pylist(rows, schema=schema_for(COLUMNS))
+    rates, good = per_rank(table, created, tokens_per_s, goodput)
+    return json.dumps([list(rates.items()), list(good.items())])
+
+
+def _by_rank(rows: list[dict], sign: int = 1) -> list[dict]:
+    """The rows rank by rank (a null rank is rank 0; the highest first with sign -1), in their order
+    within a rank: as the reader concatenates the per-rank files."""
+    return sorted(rows, key=lambda row: sign * (row["rank"] if isinstance(row["rank"], int) else 0))
+
+
+def _interleaved(rows: list[dict]) -> list[dict]:
+    """The rows round-robin over the ranks, the highest rank first, each rank's in their order."""
+    seen: dict[int, int] = {}
+    keyed = []
+    for row in rows:
+        rank = row["rank"] if isinstance(row["rank"], int) else 0
+        seen[rank] = seen.get(rank, -1) + 1
+        keyed.append((seen[rank], -rank, row))
+    return [row for *_, row in sorted(keyed, key=lambda k: k[:2])]
+
+
+@pytest.mark.parametrize("block_rows", [1, 5, 64])
+@pytest.mark.parametrize("seed", range(40))
+def test_blocks_of_ranks_give_the_one_block_figures(seed, block_rows, monkeypatch):
+    rows = _records(seed)
+    created = random.Random(seed).choice([None, 50.0, 1e9])
+    # one run per rank (blocks are slices), then ranks interleaved (blocks are filtered out of the table)
+    whole = _figures(rows, created, 1 << 30, monkeypatch)
+    for layout in (_by_rank(rows), _by_rank(rows, -1), _interleaved(rows)):
+        assert _figures(layout, created, block_rows, monkeypatch) == whole
+
+
+def test_rank_blocks_hold_each_rank_once_in_table_order(monkeypatch):
+    monkeypatch.setattr(_rank_blocks, "BLOCK_ROWS", 4)
+    ranks = [3, 3, 3, 1, 1, None, 0, 2, 2, 2, 2, 2, 2, 5]
+    grouped = pa.table({"rank": pa.array(ranks, pa.int64()), "i": pa.array(range(len(ranks)))})
+    interleaved = grouped.take(pa.array([0, 3, 1, 5, 7, 2, 4, 6, 8, 9, 13, 10, 11, 12]))
+    assert _rank_blocks.run_starts(grouped) == [0, 3, 5, 7, 13]  # null, then 0: one run of rank 0
+    assert _rank_blocks.run_starts(interleaved) is None
+    for table in (grouped, interleaved):
+        seen: dict[int, list[int]] = {}
+        for block in _rank_blocks.rank_blocks(table):
+            key = _rank_blocks.rank_of(block).tolist()
+            assert not set(key) & set(seen)  # a rank in one block only
+            for rank, i in zip(key, block.column("i").to_pylist(), strict=True):
+                seen.setdefault(rank, []).append(i)
+        want: dict[int, list[int]] = {}
+        for rank, i in zip(table.column("rank").to_pylist(), table.column("i").to_pylist(), strict=True):
+            want.setdefault(rank or 0, []).append(i)
+        assert seen == want
+
+
+def test_all_null_columns_in_repeated_chunks_read_as_plain_nulls():
+    rows = [r for r in _by_rank(_records(7)) if isinstance(r["rank"], int)]
+    table = pa.Table.from_pylist(rows, schema=schema_for(COLUMNS))
+    for name in ("tokens", "segment", "optimizer"):  # the reader may share one null chunk between columns
+        chunks = pa.chunked_array([pa.nulls(1, table.schema.field(name).type)] * len(rows))
+        table = table.set_column(table.schema.get_field_index(name), name, chunks)
+    plain = pa.Table.from_pylist(
+        [{**r, "tokens": None, "segment": None, "optimizer": None} for r in rows], schema=schema_for(COLUMNS)
+    )
+    assert per_rank(table, None, tokens_per_s, goodput) == per_rank(plain, None, tokens_per_s, goodput)

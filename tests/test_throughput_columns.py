@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 from ciuic_doctor.analysis import _rank_blocks
+from ciuic_doctor.analysis._grouped import grouped_median, in_order
 from ciuic_doctor.analysis._throughput_columns import COLUMNS, per_rank
 from ciuic_doctor.analysis.throughput import goodput, tokens_per_s
 from ciuic_doctor.columnar_schema import schema_for
@@ -73,7 +75,7 @@ def test_grouped_figures_equal_the_per_record_rules(seed):
         assert good[rank] == pytest.approx(figures, rel=1e-9, abs=1e-9, nan_ok=True)
 
 
-# ---- blocks of whole ranks (analysis/_rank_blocks.py) ---------------------------------------------------
+# ---- blocks of whole ranks (analysis/_rank_blocks.py) and the sorts skipped (analysis/_grouped.py) --------
 def _figures(rows: list[dict], created, block_rows: int, monkeypatch) -> str:
     """per_rank's dicts, order included (ties between ranks are broken in it), as text (NaN compares)."""
     monkeypatch.setattr(_rank_blocks, "BLOCK_ROWS", block_rows)
@@ -140,3 +142,28 @@ def test_all_null_columns_in_repeated_chunks_read_as_plain_nulls():
         [{**r, "tokens": None, "segment": None, "optimizer": None} for r in rows], schema=schema_for(COLUMNS)
     )
     assert per_rank(table, None, tokens_per_s, goodput) == per_rank(plain, None, tokens_per_s, goodput)
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_grouped_median_and_in_order_equal_the_lexsort(seed):
+    rnd = np.random.default_rng(seed)
+    count = int(rnd.integers(1, 20))
+    sizes = rnd.integers(0, 9, count) if seed % 2 else np.full(count, rnd.integers(0, 9))
+    group = np.repeat(np.arange(count), sizes)
+    values = np.round(rnd.normal(size=len(group)), int(seed % 3))  # ties
+    values[rnd.random(len(values)) < (0.2 if seed % 5 == 0 else 0)] = np.nan
+    values[rnd.random(len(values)) < (0.2 if seed % 7 == 0 else 0)] = np.inf
+    if seed % 4 == 0:
+        group = rnd.permutation(group)
+    order = np.lexsort((values, group))
+    want = np.full(count, np.nan)
+    for g in range(count):  # statistics.median of each group, NaN as the largest value (as lexsort puts it)
+        v = values[order][group[order] == g]
+        if len(v):
+            want[g] = v[(len(v) - 1) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    assert np.array_equal(grouped_median(group, values, count), want, equal_nan=True)
+    keys = [rnd.integers(0, 3, 12).astype(float) for _ in range(int(rnd.integers(1, 4)))]
+    if seed % 2:
+        keys = [np.sort(k) for k in keys]
+    identity = np.array_equal(np.lexsort(keys), np.arange(12))
+    assert in_order(*keys) == identity

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.analysis._grouped import grouped_median, in_order
+
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow
@@ -54,22 +56,6 @@ def _groups(rank: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
     sizes = np.diff(np.r_[starts, len(rank)])
     return np.repeat(np.arange(len(starts)), sizes), starts, sizes
-
-
-def grouped_median(group: np.ndarray, values: np.ndarray, count: int) -> np.ndarray:
-    """statistics.median of `values` per group id (0..count-1); NaN for a group with none."""
-    import numpy as np
-
-    order = np.lexsort((values, group))
-    g, v = group[order], values[order]
-    sizes = np.bincount(g, minlength=count)
-    starts = np.r_[0, np.cumsum(sizes)[:-1]]
-    out = np.full(count, np.nan)
-    has = sizes > 0
-    lo = starts[has] + (sizes[has] - 1) // 2
-    hi = starts[has] + sizes[has] // 2
-    out[has] = np.where(lo == hi, v[lo], (v[lo] + v[hi]) / 2)
-    return out
 
 
 @dataclass
@@ -155,7 +141,9 @@ def _rates(rank: np.ndarray, cols: dict[str, np.ndarray]) -> dict[int, float]:
 
     segment = np.where(np.isnan(cols["segment"]) | (cols["segment"] == 0), 1, cols["segment"])
     step = np.nan_to_num(cols["step"], nan=0.0)
-    order = np.lexsort((np.arange(len(rank)), step, segment, rank))
+    order = np.arange(len(rank))
+    if not in_order(step, segment, rank):
+        order = np.lexsort((order, step, segment, rank))
     r = rank[order]
     group, starts, sizes = _groups(r)
     position = np.arange(len(r)) - starts[group]
@@ -181,7 +169,9 @@ def _goodput(
     np.minimum.at(first, rid[has], optimizer[has])
     keep = ~np.isnan(cols["t"]) & (np.isnan(optimizer) | (optimizer == first[rid]))
     index = np.flatnonzero(keep)
-    order = index[np.lexsort((index, cols["t"][index], rank[index]))]  # by rank, then t (stable)
+    if not in_order(cols["t"][index], rank[index]):
+        index = index[np.lexsort((index, cols["t"][index], rank[index]))]  # by rank, then t (stable)
+    order = index
     r = rank[order]
     group, starts, sizes = _groups(r)
     if not len(r):
@@ -191,8 +181,10 @@ def _goodput(
     after = np.ones(len(r), bool)
     after[starts] = False  # rows[1:]
     step = np.nan_to_num(cols["step"][order], nan=0.0)
-    twice = np.lexsort((step[after], r[after]))
-    rs, ss = r[after][twice], step[after][twice]
+    rs, ss = r[after], step[after]
+    if not in_order(ss, rs):  # by rank, then step: a step recorded twice in neighbouring rows
+        twice = np.lexsort((ss, rs))
+        rs, ss = rs[twice], ss[twice]
     repeated = set(rs[1:][(rs[1:] == rs[:-1]) & (ss[1:] == ss[:-1])].tolist())
     positive = step_s > 0
     typical = grouped_median(group[positive], step_s[positive], len(starts))

@@ -185,58 +185,109 @@ def normalize(
 
     Anything that is not a number becomes NaN (a row without a step is dropped); counts are clipped at 0,
     intervals at 1, and a rank must be a whole number ≥ 0; the `placeholders` columns' values ≤ 0 are NaN.
+
+    A float64 column given is the table's column as it is (no copy: it may be a read-only view of the
+    caller's, e.g. of a pyarrow table), and so is an int64 column whose values already fit; an absent
+    float column is one shared read-only NaN array. Integers of at most 2**53 are judged as integers,
+    which is what their float64 values give (exact), without the float copy; larger ones take the float
+    path, so the table is the same either way (tests/test_importers_columnar.py).
     """
     import numpy as np
     import pandas as pd
 
     n = max((len(v) for v in columns.values() if hasattr(v, "__len__")), default=0)
 
-    def number(name: str, fill: float) -> np.ndarray:
+    def given(name: str) -> np.ndarray | None:  # numbers as they are (int, float, bool), else float64
         value = columns.get(name)
         if value is None:
-            return np.full(n, fill, dtype=np.float64)
+            return None
         array = np.asarray(value)
         if array.dtype.kind in "fiub":
-            return array.astype(np.float64)
+            return array
         return pd.to_numeric(pd.Series(value, dtype=object), errors="coerce").to_numpy(
             np.float64, na_value=np.nan
         )
 
-    step = number("step", np.nan)
-    keep = np.isfinite(step) & (np.abs(step) < 2**62)
-    every = bool(keep.all())
+    def number(array: np.ndarray | None, fill: float) -> np.ndarray:
+        if array is None:
+            return np.full(n, fill, dtype=np.float64)
+        return array.astype(np.float64, copy=False)
+
+    step = given("step")
+    if _exact_ints(step):  # every int of at most 2**53 is finite and below 2**62
+        keep, every = None, True
+    else:
+        step = number(step, np.nan)
+        keep = np.isfinite(step) & (np.abs(step) < 2**62)
+        every = bool(keep.all())
+    rows = len(step) if every else int(keep.sum())
 
     def kept(array: np.ndarray) -> np.ndarray:
         return array if every else array[keep]
 
-    rank = kept(number("rank", np.nan))
-    valid_rank = np.isfinite(rank) & (rank >= 0) & (rank == np.round(rank)) & (rank < 2**31)
-    counts = {
-        name: np.clip(np.nan_to_num(kept(number(name, 0.0)), nan=0.0, posinf=0.0, neginf=0.0), 0, 2**62)
-        for name in ("skipped", "nonfinite")
-    }
-    interval = np.nan_to_num(kept(number("interval_steps", 1.0)), nan=1.0, posinf=1.0, neginf=1.0)
-    series = np.nan_to_num(kept(number("series", 0.0)), nan=0.0, posinf=0.0, neginf=0.0)
-    floats = {name: kept(number(name, np.nan)) for name in FLOAT_COLUMNS}
+    def whole(name: str, fill: float, low: int, high: int, dtype: Any) -> np.ndarray:
+        """A count, interval or series: NaN/inf as `fill`, clipped to [low, high], as `dtype`."""
+        array = given(name)
+        if array is None and fill == 0:
+            return np.zeros(rows, dtype=dtype)  # calloc'ed: no resident memory until written
+        top = min(high, np.iinfo(dtype).max)
+        if _exact_ints(array) and (not len(array) or (array.min() >= low and array.max() <= top)):
+            return kept(array).astype(dtype, copy=False)  # nothing to clip (else the float path's clip)
+        value = np.nan_to_num(kept(number(array, fill)), nan=fill, posinf=fill, neginf=fill)
+        return np.clip(value, low, high).astype(dtype)
+
+    rank = given("rank")
+    if _exact_ints(rank):
+        rank = kept(rank)
+        if not len(rank) or (rank.min() >= 0 and rank.max() < 2**31):
+            ranks = pd.arrays.IntegerArray(rank.astype(np.int64, copy=False), np.zeros(rows, dtype=bool))
+        else:
+            valid_rank = (rank >= 0) & (rank < 2**31)
+            ranks = pd.arrays.IntegerArray(np.where(valid_rank, rank, 0).astype(np.int64), ~valid_rank)
+    else:
+        rank = kept(number(rank, np.nan))
+        valid_rank = np.isfinite(rank) & (rank >= 0) & (rank == np.round(rank)) & (rank < 2**31)
+        ranks = pd.arrays.IntegerArray(np.where(valid_rank, rank, 0).astype(np.int64), ~valid_rank)
+    del rank
+    missing = None  # one NaN array for every absent float column (read-only: the columns share it)
+    floats = {}
+    for name in FLOAT_COLUMNS:
+        array = given(name)
+        if array is None:
+            if missing is None:
+                missing = np.full(rows, np.nan)
+                missing.flags.writeable = False
+            floats[name] = missing
+        else:
+            floats[name] = kept(number(array, np.nan))
+        del array
     with np.errstate(invalid="ignore"):
         for name in placeholders:  # a text log's placeholders (-1.0, 0.000): no values
             floats[name] = np.where(floats[name] > 0, floats[name], np.nan)
     # in COLUMNS' order, each column its own block (copy=False): pandas' default stacks the float columns
     # into one 2-D copy, and a reindex copied all of them again (3 copies at once: 1.2 GB at 10,000
-    # ranks × 1,000 steps). The arrays are this function's own, so the frame may write to them.
+    # ranks × 1,000 steps). Under copy-on-write a read-only column is a column like any other.
     return pd.DataFrame(
         {
-            "step": kept(step).astype(np.int64),
-            "rank": pd.arrays.IntegerArray(np.where(valid_rank, rank, 0).astype(np.int64), ~valid_rank),
+            "step": kept(step).astype(np.int64, copy=False),
+            "rank": ranks,
             **floats,
-            "skipped": counts["skipped"].astype(np.int64),
-            "nonfinite": counts["nonfinite"].astype(np.int64),
-            "interval_steps": np.clip(interval, 1, 2**62).astype(np.int64),
-            "series": np.clip(series, 0, 2**15).astype(np.int16),
-            "source": pd.Categorical.from_codes(np.zeros(int(keep.sum()), dtype=np.int8), [source]),
+            "skipped": whole("skipped", 0.0, 0, 2**62, np.int64),
+            "nonfinite": whole("nonfinite", 0.0, 0, 2**62, np.int64),
+            "interval_steps": whole("interval_steps", 1.0, 1, 2**62, np.int64),
+            "series": whole("series", 0.0, 0, 2**15, np.int16),
+            "source": pd.Categorical.from_codes(np.zeros(rows, dtype=np.int8), [source]),
         },
         copy=False,
     )
+
+
+def _exact_ints(array: Any) -> bool:
+    """A signed-integer array whose values float64 holds exactly (|value| ≤ 2**53): integer arithmetic on
+    it gives what the float path gives."""
+    if array is None or array.dtype.kind != "i":
+        return False
+    return not len(array) or (int(array.min()) >= -(2**53) and int(array.max()) <= 2**53)
 
 
 def intervals(step, rank=None):  # pandas Series -> Series of steps each row covers

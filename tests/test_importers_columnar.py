@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ciuic_doctor.importers import normalize
+from ciuic_doctor.importers import _grouped_intervals, intervals, normalize, rank_intervals
 
 # ---- the lean paths against the general ones ------------------------------------------------------
 
@@ -53,3 +53,40 @@ def test_normalize_keeps_float_and_fitting_int_columns_without_a_copy():
     shifted = normalize({"step": step, "rank": rank - 1})  # rank -1 is missing: a new array, step kept
     assert shifted["rank"].isna().sum() == 100
     assert not np.shares_memory(shifted["rank"].array.to_numpy(), rank)
+
+
+def _intervals_case(rng: np.random.Generator, sorted_ranks: bool):
+    n = int(rng.integers(1, 60))
+    rank = np.sort(rng.integers(0, 4, n)) if sorted_ranks else rng.integers(0, 4, n)
+    step = np.cumsum(rng.integers(1, 4, n)) + int(rng.integers(-5, 5))
+    for at in rng.integers(0, n, int(rng.integers(0, 4))):  # restarts and repeats
+        step[at:] -= int(rng.integers(0, 12))
+    return step.astype(np.int64), rank.astype(np.int64)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_grouped_intervals_are_pandas_intervals(seed):
+    rng = np.random.default_rng(seed)
+    step, rank = _intervals_case(rng, sorted_ranks=True)
+    general = intervals(pd.Series(step), pd.Series(rank)).to_numpy()
+    fast = _grouped_intervals(step, rank)
+    assert fast is not None
+    assert fast.dtype == np.int64
+    np.testing.assert_array_equal(fast, general)
+    np.testing.assert_array_equal(_grouped_intervals(step, None), intervals(pd.Series(step)).to_numpy())
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_rank_intervals_of_rows_not_grouped_take_the_general_path(seed):
+    rng = np.random.default_rng(seed)
+    step, rank = _intervals_case(rng, sorted_ranks=False)
+    general = intervals(pd.Series(step), pd.Series(rank)).to_numpy()
+    if not (rank[1:] >= rank[:-1]).all():
+        assert _grouped_intervals(step, rank) is None
+    np.testing.assert_array_equal(rank_intervals(step, rank), general)
+    missing = np.where(rng.random(len(rank)) < 0.3, np.nan, rank)  # ranks with nulls: float, NaN
+    assert _grouped_intervals(step, missing) is None
+    want = intervals(pd.Series(step), pd.Series(missing)).to_numpy()
+    np.testing.assert_array_equal(rank_intervals(step, missing), want)
+    huge = step + 2**60  # beyond 2**52: float differences are not exact, the general path decides
+    assert _grouped_intervals(huge, rank) is None

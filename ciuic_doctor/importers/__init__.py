@@ -304,6 +304,62 @@ def intervals(step, rank=None):  # pandas Series -> Series of steps each row cov
     return pd.to_numeric(out, errors="coerce").fillna(1)
 
 
+def rank_intervals(step: Any, rank: Any = None) -> Any:
+    """`intervals` of one step and one rank column (numpy arrays or Series; rank None: one rank), as a
+    numpy array. Rows grouped by rank (ranks non-decreasing, watch's per-rank files in rank order) with
+    integer steps are done in numpy, without pandas' groupby copies (~10 arrays of the table's length,
+    which at 10,000 ranks × 1,000 steps are 80 MB each), with the same result; else `intervals` itself."""
+    import numpy as np
+    import pandas as pd
+
+    fast = _grouped_intervals(np.asarray(step), None if rank is None else np.asarray(rank))
+    if fast is not None:
+        return fast
+    step = step if isinstance(step, pd.Series) else pd.Series(step)
+    rank = rank if rank is None or isinstance(rank, pd.Series) else pd.Series(rank, index=step.index)
+    return intervals(step, rank).to_numpy()
+
+
+def _grouped_intervals(step: Any, rank: Any) -> Any:
+    """`intervals` as int64 numpy for integer steps (|step| ≤ 2**52, so that a difference is what float64
+    gives) and integer ranks (or None) that never decrease, so each rank's rows are one run; None
+    otherwise. A row's interval is its step minus the previous row's in the same run; where there is none
+    (a rank's first row, a restart: the step did not grow), the next interval of that rank, else 1, and
+    no more than the step itself (at least 1)."""
+    import numpy as np
+
+    if step.dtype.kind != "i" or (rank is not None and (rank.dtype.kind != "i" or len(rank) != len(step))):
+        return None
+    n = len(step)
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    if int(step.min()) < -(2**52) or int(step.max()) > 2**52:
+        return None
+    if rank is not None and not (rank[1:] >= rank[:-1]).all():
+        return None
+    out = np.empty(n, dtype=np.int64)
+    out[0] = 0
+    np.subtract(step[1:], step[:-1], out=out[1:])
+    gap = out <= 0  # no spacing: the first row, a restart
+    if rank is not None:
+        gap[1:] |= rank[1:] != rank[:-1]  # a rank's first row
+    where = np.flatnonzero(gap)
+    del gap
+    # the next row with a spacing: past the run of consecutive gaps each gap is in
+    breaks = np.flatnonzero(np.diff(where) != 1)
+    ends = np.append(where[breaks], where[-1])
+    runs = np.zeros(len(where), dtype=np.int64)
+    runs[breaks + 1] = 1
+    after = ends[np.cumsum(runs)] + 1
+    inside = after < n
+    after[~inside] = 0
+    same = inside if rank is None else inside & (rank[after] == rank[where])
+    value = np.where(same, out[after], 1)
+    at = step[where]
+    out[where] = np.where(at >= value, value, np.maximum(at, 1))
+    return out
+
+
 def sniff(path: str | Path) -> str:
     """The format of `path`, from its name and its first bytes (UserError when nothing fits)."""
     path = Path(path)

@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.importers import StepLog, intervals, normalize
+from ciuic_doctor.importers import StepLog, normalize, rank_intervals
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
 from ciuic_doctor.store import RunDir, as_float
 
@@ -73,7 +73,7 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
             next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
         )
     series_names = _optimizer_series(raw)
-    interval = intervals(raw["step"], raw["rank"])
+    interval = pd.Series(rank_intervals(raw["step"], raw["rank"]), index=raw.index)
     written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
     if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
         interval = written.fillna(interval)

@@ -61,35 +61,44 @@ def load(path: Path) -> StepLog:
 
 
 def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name: str) -> StepLog:
-    """Our step records (a DataFrame with WANTED's columns, any of them absent) -> the StepLog: shared by
-    this row reader and the columnar one many-rank runs use (ours_columnar), so both judge alike."""
-    import pandas as pd
+    """Our step records -> the StepLog: shared by this row reader and the columnar one many-rank runs use
+    (ours_columnar), so both judge alike. `raw` maps WANTED's columns (and "nonfinite") to their values:
+    this reader's DataFrame, or the columnar reader's numpy arrays (read-only views of its pyarrow table
+    where they can be); a column may be absent, or None. Nothing of `raw` is written to or copied that
+    the table does not need (at 10,000 ranks × 1,000 steps a column is 80 MB)."""
+    import numpy as np
 
     # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
     # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
-    next_scale = pd.to_numeric(raw.get("loss_scale_next", pd.Series(dtype="float64")), errors="coerce")
-    if next_scale.notna().any():
-        raw["loss_scale"] = next_scale.where(
-            next_scale.notna(), pd.to_numeric(raw["loss_scale"], errors="coerce")
-        )
-    series_names = _optimizer_series(raw)
-    interval = pd.Series(rank_intervals(raw["step"], raw["rank"]), index=raw.index)
-    written = pd.to_numeric(raw.get("interval_steps", pd.Series(dtype="float64")), errors="coerce")
-    if written.notna().any():  # an imported log's own intervals (its first row covers from step 0)
-        interval = written.fillna(interval)
+    scale = raw.get("loss_scale")
+    next_scale = _numbers(raw.get("loss_scale_next"))
+    if next_scale is not None and not np.isnan(next_scale).all():
+        before = _numbers(scale)
+        scale = next_scale if before is None else np.where(np.isnan(next_scale), before, next_scale)
+        del before
+    del next_scale
+    series, series_names = _optimizer_series(raw)
+    interval = rank_intervals(raw.get("step"), raw.get("rank"))
+    written = _numbers(raw.get("interval_steps"))
+    if written is not None and not np.isnan(written).all():  # an imported log's own (its first row: from 0)
+        interval = np.where(np.isnan(written), interval, written)
+    del written
+    columns = {k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps", *_WATCH_ONLY)}
+    columns.update(loss_scale=scale, interval_steps=interval)
+    if series is not None:
+        columns["series"] = series
+    del scale, series, interval
     table = normalize(
-        {
-            **{k: raw.get(k) for k in WANTED if k not in ("clip_max_norm", "interval_steps", *_WATCH_ONLY)},
-            "interval_steps": interval,
-        },
+        columns,
         source=f"ours:{name}",
         placeholders=(),  # watch writes null for what it did not measure: 0.0 is a value
     )
+    del columns
     log = StepLog(table=table, read_lines=read_lines, unread_lines=unread_lines, framework="gradscaler")
     log.series_names = series_names
-    clips = pd.to_numeric(raw.get("clip_max_norm", pd.Series(dtype="float64")), errors="coerce").dropna()
-    if len(clips):  # the watch probe records the max_norm a script passed to clip_grad_norm_
-        log.clip_max_norm = float(clips.iloc[-1])
+    clip = _last_number(raw.get("clip_max_norm"))
+    if clip is not None:  # the watch probe records the max_norm a script passed to clip_grad_norm_
+        log.clip_max_norm = clip
     _apply_meta(log, meta_dir)
     if table["loss_scale"].notna().any() and log.precision is None:
         log.precision = "fp16"  # only torch.amp.GradScaler gives a scale
@@ -99,20 +108,53 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
 _WATCH_ONLY = ("loss_scale_next", "optimizer")  # read to build the table, not columns of it
 
 
-def _optimizer_series(raw) -> list[str]:  # raw: DataFrame, changed in place
-    """A watched script with several optimizers (a GAN's D and G, two-phase training) records a step per
-    optimizer; each optimizer is a series of its own, judged apart, as several engines in one log are.
-    Returns the series' names, or [] for one optimizer."""
+def _numbers(value):  # -> float64 numpy array (a view where it is float64 already) | None
+    """A column as `pd.to_numeric(errors="coerce")` reads it, as float64: what the table's float columns
+    become (normalize), without a copy of a float64 column."""
+    import numpy as np
     import pandas as pd
 
-    if "optimizer" not in raw or ("series" in raw and raw["series"].notna().any()):
-        return []
-    optimizer = pd.to_numeric(raw["optimizer"], errors="coerce")
-    found = sorted(int(i) for i in optimizer.dropna().unique())
+    if value is None:
+        return None
+    array = np.asarray(value)
+    if array.dtype.kind in "fiub":
+        return array.astype(np.float64, copy=False)
+    return pd.to_numeric(pd.Series(value, dtype=object), errors="coerce").to_numpy(
+        np.float64, na_value=np.nan
+    )
+
+
+def _last_number(value) -> float | None:
+    """The column's last value that is a number (not NaN), or None."""
+    import numpy as np
+
+    values = _numbers(value)
+    if values is None or not len(values):
+        return None
+    missing = np.isnan(values[::-1])
+    at = int(missing.argmin())
+    return None if missing[at] else float(values[len(values) - 1 - at])
+
+
+def _optimizer_series(raw):  # -> (series column | None, names)
+    """A watched script with several optimizers (a GAN's D and G, two-phase training) records a step per
+    optimizer; each optimizer is a series of its own, judged apart, as several engines in one log are.
+    Returns the series column (None: as `raw` has it) and the series' names ([] for one optimizer)."""
+    import numpy as np
+    import pandas as pd
+
+    optimizer, written = _numbers(raw.get("optimizer")), _numbers(raw.get("series"))
+    if optimizer is None or (written is not None and not np.isnan(written).all()):
+        return None, []
+    del written
+    values = pd.unique(optimizer)  # a hash of the few distinct values, not a sorted copy of the column
+    found = sorted(int(i) for i in values[~np.isnan(values)])
     if len(found) < 2:
-        return []
-    raw["series"] = optimizer.map({i: n for n, i in enumerate(found)}).fillna(0)
-    return [f"optimizer {i}" for i in found]
+        return None, []
+    series = np.zeros(len(optimizer), dtype=np.int64)  # an optimizer not found (0.5) is series 0
+    for i, n in {i: n for n, i in enumerate(found)}.items():  # (a repeated index: the last n)
+        series[optimizer == i] = n
+    return series, [f"optimizer {i}" for i in found]
 
 
 def _apply_meta(log: StepLog, folder: Path) -> None:

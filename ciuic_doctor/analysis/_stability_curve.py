@@ -40,13 +40,60 @@ class Curve:
 
 def _unique_in_order(table) -> bool:
     """Whether the rows are sorted by rank, then strictly by step within a rank (no (rank, step) twice).
-    A missing rank (NA) counts as rank -1, one value, as drop_duplicates counts NA (ranks are >= 0)."""
+    A missing rank (NA) counts as rank -1, one value, as drop_duplicates counts NA (ranks are >= 0).
+    Comparisons only (a bool per row), no copy of the rows of one rank (80 MB at 10,000 ranks)."""
     import numpy as np
 
     rank = table["rank"].to_numpy(dtype=np.int64, na_value=-1)
     step = table["step"].to_numpy(dtype=np.int64)
-    same = rank[1:] == rank[:-1]
-    return bool((rank[1:] >= rank[:-1]).all() and (step[1:][same] > step[:-1][same]).all())
+    if not (rank[1:] >= rank[:-1]).all():
+        return False
+    return bool(((step[1:] > step[:-1]) | (rank[1:] != rank[:-1])).all())
+
+
+def _ranks(table, in_order: bool) -> int:
+    """How many ranks (NA not counted): for rows sorted by rank, the changes of rank, without the hash
+    table nunique sizes by the rows (32 MB at 3,000 ranks × 1,000 steps)."""
+    import numpy as np
+
+    if not in_order or not len(table):
+        return int(table["rank"].nunique())
+    rank = table["rank"].to_numpy(dtype=np.int64, na_value=-1)
+    return int(np.count_nonzero(rank[1:] != rank[:-1])) + 1 - int(rank[0] == -1)
+
+
+# the fold of the ranks' rows of one step
+PER_STEP = {
+    "loss": ("loss", "mean"), "nonfinite": ("nonfinite", "max"), "lr": ("lr", "max"),
+    "grad_norm": ("grad_norm", "max"), "loss_scale": ("loss_scale", "min"), "skipped": ("skipped", "max"),
+    "attempted_scale": ("attempted_scale", "max"), "interval_steps": ("interval_steps", "max"),
+}  # fmt: skip
+
+
+def _per_step(frame):  # -> DataFrame: step, then PER_STEP's columns, one row per step in step order
+    """`frame.groupby("step").agg(PER_STEP)`. Steps from 0 to about the rows' count (every watched run)
+    are grouped by their index among the steps found, as a Categorical's codes (int16 for up to 32,767
+    steps), instead of pandas' factorize of the int64 column: its codes and a hash table sized by the rows
+    (55 MB at its peak at 3,000 ranks × 1,000 steps, against ~30). Same groups, same rows in each, in the
+    same order: the same sums and means."""
+    import numpy as np
+    import pandas as pd
+
+    step = frame["step"].to_numpy(dtype=np.int64)
+    top = int(step.max()) if len(step) else -1
+    if not len(step) or int(step.min()) < 0 or top > len(step) // 2 + (1 << 16):
+        return frame.groupby("step", sort=True).agg(**PER_STEP).reset_index()
+    present = np.zeros(top + 1, dtype=bool)
+    present[step] = True
+    steps = np.flatnonzero(present)
+    kind = np.int16 if len(steps) < 2**15 else np.int32
+    codes = (np.cumsum(present, dtype=np.int32) - 1).astype(kind)[step]
+    del present
+    key = pd.Categorical.from_codes(codes, categories=pd.Index(steps), validate=False)
+    del codes
+    out = frame.groupby(key, observed=True, sort=True).agg(**PER_STEP)
+    out.index = pd.Index(steps, name="step")
+    return out.reset_index()
 
 
 def fold(table) -> Curve:
@@ -56,16 +103,11 @@ def fold(table) -> Curve:
     series = int(table["series"].iloc[0]) if len(table) else 0
     # watch's per-rank files come in (rank, step) order without repeats: then there is nothing to drop,
     # and drop_duplicates' hashing and copy of the whole table (1 GB at 10,000 ranks) are skipped
-    frame = table if _unique_in_order(table) else table.drop_duplicates(subset=["rank", "step"], keep="last")
-    ranks = int(frame["rank"].nunique())
+    in_order = _unique_in_order(table)
+    frame = table if in_order else table.drop_duplicates(subset=["rank", "step"], keep="last")
+    ranks = _ranks(frame, in_order)
     if ranks > 1 or not frame["step"].is_unique:
-        grouped = frame.groupby("step", sort=True)
-        frame = grouped.agg(
-            loss=("loss", "mean"), nonfinite=("nonfinite", "max"), lr=("lr", "max"),
-            grad_norm=("grad_norm", "max"), loss_scale=("loss_scale", "min"), skipped=("skipped", "max"),
-            attempted_scale=("attempted_scale", "max"),
-            interval_steps=("interval_steps", "max"),
-        ).reset_index()  # fmt: skip
+        frame = _per_step(frame)
     elif not frame["step"].is_monotonic_increasing:
         frame = frame.sort_values("step", kind="stable")
     return Curve(

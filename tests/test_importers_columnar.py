@@ -229,12 +229,17 @@ def test_rank_intervals_of_rows_not_grouped_take_the_general_path(seed):
     assert _grouped_intervals(huge, rank) is None
 
 
-@pytest.mark.parametrize("seed", range(40))
+SOME_OPTIMIZERS = [[np.nan] * 3, [1.0] * 4, [0.0, -0.0, 0.0], [np.nan, 2.0, np.nan], [2.0, 2.5], [0.0, 1.0]]
+
+
+@pytest.mark.parametrize("seed", range(40 + len(SOME_OPTIMIZERS)))
 def test_optimizer_series_are_what_the_pandas_map_gave(seed):
     """The series of each optimizer, numpy on the column (a view), against the pandas map it replaced:
     an index found that no value equals (0.5 -> 0) and a missing optimizer are series 0."""
     rng = np.random.default_rng(seed)
     optimizer = rng.choice(np.array([0.0, 1.0, 2.0, np.nan, 0.5, 3.0, -0.0, 7.0]), int(rng.integers(1, 30)))
+    if seed >= 40:  # one index or none (no hashing), or two that are one int (2.5 -> 2)
+        optimizer = np.array(SOME_OPTIMIZERS[seed - 40])
     series, names = ours._optimizer_series({"optimizer": optimizer})
     values = pd.Series(optimizer)
     found = sorted(int(i) for i in values.dropna().unique())

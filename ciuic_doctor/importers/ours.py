@@ -68,6 +68,9 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
     the table does not need (at 10,000 ranks × 1,000 steps a column is 80 MB)."""
     import numpy as np
 
+    # what is read and let go first, while nothing of the table is held: a column with nulls is a copy
+    clip = _last_number(raw.get("clip_max_norm"))
+    series, series_names = _optimizer_series(raw)
     # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
     # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
     scale = raw.get("loss_scale")
@@ -77,7 +80,6 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
         scale = next_scale if before is None else np.where(np.isnan(next_scale), before, next_scale)
         del before
     del next_scale
-    series, series_names = _optimizer_series(raw)
     interval = rank_intervals(raw.get("step"), raw.get("rank"))
     written = _numbers(raw.get("interval_steps"))
     if written is not None and not np.isnan(written).all():  # an imported log's own (its first row: from 0)
@@ -96,7 +98,6 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
     del columns
     log = StepLog(table=table, read_lines=read_lines, unread_lines=unread_lines, framework="gradscaler")
     log.series_names = series_names
-    clip = _last_number(raw.get("clip_max_norm"))
     if clip is not None:  # the watch probe records the max_norm a script passed to clip_grad_norm_
         log.clip_max_norm = clip
     _apply_meta(log, meta_dir)
@@ -147,6 +148,9 @@ def _optimizer_series(raw):  # -> (series column | None, names)
     if optimizer is None or (written is not None and not np.isnan(written).all()):
         return None, []
     del written
+    low, high = np.fmin.reduce(optimizer, initial=np.inf), np.fmax.reduce(optimizer, initial=-np.inf)
+    if low > high or (low == high and np.isfinite(low)):  # no optimizer index, or one: nothing to hash
+        return None, []
     values = pd.unique(optimizer)  # a hash of the few distinct values, not a sorted copy of the column
     found = sorted(int(i) for i in values[~np.isnan(values)])
     if len(found) < 2:

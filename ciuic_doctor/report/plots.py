@@ -255,6 +255,11 @@ def stability_plot(
 # ---- memwatch ------------------------------------------------------------------------------------
 
 
+def memwatch_series(sample: dict[str, Any]) -> str:
+    """The line of memwatch_plot a sample belongs to (its process's role, else its PID)."""
+    return _text(sample.get("role") or sample.get("pid") or "process")
+
+
 def memwatch_plot(samples: Sequence[dict[str, Any]], key: str | None = None) -> str | None:
     """Memory of every watched process over time (USS when readable, else RSS), grouped by role; `key`
     when the caller chose it over more samples than it passes (report/memwatch_view)."""
@@ -267,8 +272,7 @@ def memwatch_plot(samples: Sequence[dict[str, Any]], key: str | None = None) -> 
         value, t = _num(s, key), _num(s, "t")
         if value is None or t is None:
             continue
-        role = _text(s.get("role") or s.get("pid") or "process")
-        series[role].append((t - t0, value / 2**20))
+        series[memwatch_series(s)].append((t - t0, value / 2**20))
     if not series:
         return None
     plt = _pyplot()

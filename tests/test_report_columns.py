@@ -1,6 +1,8 @@
-"""The report reads the memwatch stream column-wise, a block of rows at a time (report/memwatch_view.py):
-what it shows must be what the pandas code it replaced (a frame of every sample, grouped) gave, on
-samples in any order, with roles missing or dictionary-encoded."""
+"""The report reads the steps and memwatch streams column-wise, a block of rows at a time
+(report/step_table.py, report/memwatch_view.py): what it shows must be what the pandas code it replaced
+(a frame of every row, sorted and grouped) gave, on rows in order (the fast path: slices of the table)
+and on rows that are not (shuffled, a restarted rank, null keys: the general path), with columns
+missing, one rank, and string columns dictionary-encoded."""
 
 from __future__ import annotations
 
@@ -11,9 +13,59 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.frames import TableRead
-from ciuic_doctor.report import memwatch_view
+from ciuic_doctor.analysis._crossrank import rank_step_grid
+from ciuic_doctor.frames import TableRead, schema_for
+from ciuic_doctor.report import memwatch_view, step_table
 from ciuic_doctor.report.plots import memwatch_plot
+from ciuic_doctor.report.rank_view import COLUMNS, MEMORY_COLUMNS, summarise
+from ciuic_doctor.report.step_table import StepTable
+
+STEP_COLUMNS = (*COLUMNS, *MEMORY_COLUMNS)
+VARIANTS = ("in order", "shuffled", "restarted", "null keys", "one rank", "missing columns", "dictionary")
+
+
+def _steps(variant: str, ranks: int = 12, steps: int = 30) -> pa.Table:
+    """A steps table as frames.read_stream gives it: per-rank files in rank order, each in step order."""
+    rng = np.random.default_rng(5)
+    ranks = 1 if variant == "one rank" else ranks
+    rank = np.repeat(np.arange(ranks), steps)
+    step = np.tile(np.arange(1, steps + 1), ranks)
+    if variant == "restarted":  # rank 3 ran steps 10..20 again after step 30
+        again = (rank == 3) & (step >= 10) & (step <= 20)
+        rank, step = np.insert(rank, 4 * steps, rank[again]), np.insert(step, 4 * steps, step[again])
+    n = len(rank)
+
+    def floats(scale: float) -> pa.Array:
+        values = rng.uniform(0.5, 1.5, n) * scale
+        values[rng.random(n) < 0.05] = np.nan  # a "nan" the store wrote
+        values[rng.random(n) < 0.01] = np.inf
+        return pa.array(values, mask=rng.random(n) < 0.05)  # and nulls
+
+    columns = {
+        "rank": pa.array(rank),
+        "step": pa.array(step),
+        "host": pa.array([f"node-{r // 4}" for r in rank], mask=rng.random(n) < 0.1),
+        "step_time_s": floats(0.8),
+        "pre_backward_s": floats(0.3),
+        "loss": floats(3.0),
+        "skipped": pa.array(rng.random(n) < 0.1, mask=rng.random(n) < 0.1),
+        "rss": floats(9e9),
+        "uss": floats(7e9),
+        "mem_allocated": floats(6e10),
+    }
+    if variant == "null keys":
+        columns["rank"] = pa.array(rank, mask=rng.random(n) < 0.05)
+        columns["step"] = pa.array(step, mask=rng.random(n) < 0.05)
+    if variant == "missing columns":  # frames' all-null columns: repeats of one shared null chunk
+        for name in ("host", "loss", "rss", "pre_backward_s"):
+            kind = columns[name].type
+            columns[name] = pa.chunked_array([pa.nulls(30, kind)] * (n // 30) + [pa.nulls(n % 30, kind)])
+    if variant == "dictionary":
+        columns["host"] = columns["host"].dictionary_encode()
+    table = pa.table(columns)
+    if variant == "shuffled":
+        table = table.take(rng.permutation(n))
+    return table
 
 
 def _plain(table: pa.Table) -> pd.DataFrame:
@@ -23,6 +75,55 @@ def _plain(table: pa.Table) -> pd.DataFrame:
         for c in table.column_names
     }
     return pa.table(columns).to_pandas(split_blocks=True)
+
+
+def _old_per_rank(frame: pd.DataFrame) -> pd.DataFrame:
+    """What rank_view.per_rank computed: a stable sort of every row by (rank, step), then the groupby."""
+    frame = frame[frame["rank"].notna() & frame["step"].notna()].sort_values(["rank", "step"], kind="stable")
+    return summarise(frame)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_per_rank_table_is_the_sort_of_every_row(variant, monkeypatch):
+    monkeypatch.setattr(step_table, "BLOCK_ROWS", 50)  # blocks of 1-2 ranks, one cut inside a rank
+    table = _steps(variant)
+    columns = StepTable(table)
+    # the fast path is taken exactly when the rows are in order
+    assert (columns._order is None) == (variant not in ("shuffled", "restarted", "null keys"))
+    got, want = columns.per_rank(), _old_per_rank(_plain(table))
+    pd.testing.assert_frame_equal(got, want)
+    assert got.to_csv(index=False) == want.to_csv(index=False)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_grids_are_rank_step_grid(variant, monkeypatch):
+    monkeypatch.setattr(step_table, "BLOCK_ROWS", 50)
+    table = _steps(variant)
+    frame = _plain(table)
+    columns = StepTable(table)
+    for column in ("step_time_s", "pre_backward_s", "rss", "mem_allocated"):
+        got, want = columns.grid(column), rank_step_grid(frame, column)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert columns.ranks == sorted(int(r) for r in frame["rank"].dropna().unique())
+    assert columns.hosts == sorted(str(h) for h in frame["host"].dropna().unique())
+    for column in ("mem_allocated", "uss", "rss"):
+        assert columns.positive(column) == int((frame[column] > 0).sum())
+
+
+def test_plain_records_are_typed_as_the_columnar_reader_types_a_file():
+    records = [
+        {"rank": 1, "step": 2, "host": "a", "step_time_s": 1, "loss": "nan", "skipped": True},
+        {"rank": 0, "step": 1.0, "host": 7, "step_time_s": "x", "rss": 5.5, "skipped": None},
+        {"rank": True, "step": 3},
+    ]
+    table = StepTable.from_records(records, STEP_COLUMNS).table
+    assert table.schema == schema_for(STEP_COLUMNS)
+    assert table["rank"].to_pylist() == [1, 0, None]  # a bool is not a rank
+    assert table["step"].to_pylist() == [2, 1, 3]
+    assert table["host"].to_pylist() == ["a", None, None]
+    assert table["step_time_s"].to_pylist() == [1.0, None, None]
+    assert math.isnan(table["loss"][0].as_py())
 
 
 # ---- memwatch ------------------------------------------------------------------------------------

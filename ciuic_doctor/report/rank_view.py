@@ -6,7 +6,9 @@ The report used to hand every step record to the plots, which drew one line per 
 and reduced to HTA-style tidy frames with the unit in each column name:
 
     bands(...)        step, min_<unit>, p50_<unit>, p99_<unit>, max_<unit>  (one row per step or bin)
-    per_rank(...)     rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps, peak_rss_bytes
+    summarise(...)    rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps, peak_rss_bytes
+
+(the grids and the per-rank table come from `step_table.StepTable`, a block of the stream's rows at a time)
 
 A table of more than TABLE_ROWS ranks shows the ranks the findings name (worst first), the slowest
 and the lowest rank, and one distribution line (min / p50 / p99 / max of every column); every rank is
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
+    from ciuic_doctor.report.step_table import StepTable
     from ciuic_doctor.store import RunDir
 
 COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "loss", "skipped", "rss", "uss")
@@ -38,34 +41,31 @@ CSV_FORMULA_START = ("=", "+", "-", "@")  # a spreadsheet would run such a cell 
 
 class StepRecords(list):
     """The steps stream as the report needs it. As a list: the lowest rank's records (what the stability
-    plot and the seed tips read, as before). `frame`: the report's columns for every rank."""
+    plot and the seed tips read, as before). `table`: the report's columns for every rank, column-wise."""
 
-    def __init__(self, records: Sequence[dict[str, Any]], frame: pd.DataFrame | None) -> None:
+    def __init__(self, records: Sequence[dict[str, Any]], table: StepTable | None) -> None:
         super().__init__(records)
-        self.frame = frame
+        self.table = table
 
     @property
     def ranks(self) -> list[int]:
-        if self.frame is None or self.frame.empty:
-            return []
-        return sorted(int(r) for r in self.frame["rank"].dropna().unique())
+        return self.table.ranks if self.table is not None else []
 
     @property
     def hosts(self) -> list[str]:
-        if self.frame is None or self.frame.empty:
-            return []
-        return sorted(str(h) for h in self.frame["host"].dropna().unique())
+        return self.table.hosts if self.table is not None else []
 
 
 def load_steps(run: RunDir) -> StepRecords:
     """Every rank's report columns (parallel, columnar) and the lowest rank's whole records."""
     from ciuic_doctor.frames import read_stream
+    from ciuic_doctor.report.step_table import StepTable
     from ciuic_doctor.store import read_jsonl
 
     files = run.stream_files("steps")
     if not files:
         return StepRecords([], None)
-    frame = read_stream(run, "steps", (*COLUMNS, *MEMORY_COLUMNS)).frame()
+    table = StepTable(read_stream(run, "steps", (*COLUMNS, *MEMORY_COLUMNS)).table)
     shared = run.stream_path("steps")
     records: list[dict[str, Any]] = []
     for path in files[:2] if files[0] == shared else files[:1]:
@@ -73,7 +73,7 @@ def load_steps(run: RunDir) -> StepRecords:
     # A record without a rank (an imported log: `stability LOG --out RUN` writes rank null) is rank 0's.
     ranks = [r if isinstance(r := rec.get("rank"), int) else 0 for rec in records]
     lowest = min(ranks, default=0)
-    return StepRecords([rec for rec, r in zip(records, ranks, strict=True) if r == lowest], frame)
+    return StepRecords([rec for rec, r in zip(records, ranks, strict=True) if r == lowest], table)
 
 
 # ---- bands ----------------------------------------------------------------------------------------
@@ -160,12 +160,12 @@ def outlier_lines(
 
 
 # ---- per-rank table -------------------------------------------------------------------------------
-def per_rank(frame: pd.DataFrame) -> pd.DataFrame:
+def summarise(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per rank: rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps,
-    peak_rss_bytes (vectorised groupby; the rows of a rank in step order)."""
+    peak_rss_bytes, from rows that all have a rank and a step, in (rank, step) order (vectorised groupby;
+    step_table.StepTable.per_rank hands it blocks of whole ranks)."""
     import pandas as pd
 
-    frame = frame[frame["rank"].notna() & frame["step"].notna()].sort_values(["rank", "step"], kind="stable")
     step_ms = pd.to_numeric(frame["step_time_s"], errors="coerce") * 1e3
     grouped = frame.assign(step_ms=step_ms, skipped=frame["skipped"].fillna(False).astype(bool)).groupby(
         "rank"

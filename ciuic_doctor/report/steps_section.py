@@ -2,8 +2,9 @@
 as cross-rank bands with the ranks the findings name drawn on top, a host × rank heat-map on multi-host
 runs, and the per-rank table collapsed to the ranks that matter (every rank in steps_per_rank.csv).
 
-Split from `sections.py` (which owns the section list; Section and Table are in `blocks`); the frames and
-bands come from `rank_view`, the drawing from `band_plots`.
+Split from `sections.py` (which owns the section list; Section and Table are in `blocks`); the grids and
+the per-rank table come from `step_table` (the stream's columns, never a frame of every row), the bands
+from `rank_view`, the drawing from `band_plots`.
 """
 
 from __future__ import annotations
@@ -26,28 +27,18 @@ from ciuic_doctor.report.rank_view import (
     distribution_cells,
     named_ranks,
     outlier_lines,
-    per_rank,
 )
+from ciuic_doctor.report.step_table import StepTable
 from ciuic_doctor.store import as_float
 from ciuic_doctor.units import format_bytes
 
 STEP_CHECKS = ("step_time", "straggler_onset", "slow_host")
 
 
-def _step_frame(steps: Sequence[dict[str, Any]]):  # -> pandas.DataFrame
-    """Every rank's report columns: the frame `load_streams` read, or one made from plain records."""
-    import pandas as pd
-
-    frame = getattr(steps, "frame", None)
-    if frame is not None:
-        return frame
-    frame = pd.DataFrame.from_records(list(steps))
-    for column in COLUMNS + MEMORY_COLUMNS:
-        if column not in frame:
-            frame[column] = None
-        elif column not in ("host", "skipped"):
-            frame[column] = pd.to_numeric(frame[column].map(as_float), errors="coerce")
-    return frame
+def _step_table(steps: Sequence[dict[str, Any]]) -> StepTable:
+    """Every rank's report columns: the table `load_streams` read, or one made from plain records."""
+    table = getattr(steps, "table", None)
+    return table if table is not None else StepTable.from_records(steps, COLUMNS + MEMORY_COLUMNS)
 
 
 def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Sequence[Finding] = ()) -> None:
@@ -55,15 +46,15 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     heat-map on multi-host runs; the per-rank table collapsed to the ranks that matter (+ CSV)."""
     import numpy as np
 
-    from ciuic_doctor.analysis._crossrank import normalised, quiet_nan, rank_step_grid
+    from ciuic_doctor.analysis._crossrank import normalised, quiet_nan
     from ciuic_doctor.report.band_plots import band_plot, host_heatmap
 
-    frame = _step_frame(steps)
-    if frame.empty or frame["step"].isna().all():
+    columns = _step_table(steps)
+    if not columns.has_steps():
         return
     named = named_ranks(findings, STEP_CHECKS, per_host=True)
-    ranks, step_ids, step_grid = rank_step_grid(frame, "step_time_s")
-    _, _, pace_grid = rank_step_grid(frame, "pre_backward_s")
+    ranks, step_ids, step_grid = columns.grid("step_time_s")
+    _, _, pace_grid = columns.grid("pre_backward_s")
     with quiet_nan():
         level = np.nanmedian(normalised(pace_grid if np.isfinite(pace_grid).any() else step_grid), axis=1)
     slowest = [int(ranks[i]) for i in np.argsort(-np.nan_to_num(level, nan=-1.0))[:2]]
@@ -71,7 +62,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     chosen = list(dict.fromkeys(chosen))
     limit = max(PER_RANK_LINES, MAX_OUTLIERS)  # a small run: every rank
     has_pace = bool(np.isfinite(pace_grid).any())
-    table = per_rank(frame)
+    table = columns.per_rank()
     hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
     labels = {r: f"rank {r} ({hosts[r]})" for r in chosen if isinstance(hosts.get(r), str)}
     # Under DDP every rank's step ends together: the outliers show in the pace, not in the step time.
@@ -168,13 +159,12 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
     """Memory over steps as a cross-rank band, the leaking ranks drawn on top with their fitted line."""
     import numpy as np
 
-    from ciuic_doctor.analysis._crossrank import rank_step_grid
     from ciuic_doctor.report.band_plots import band_plot
 
-    frame = _step_frame(steps)
-    if frame.empty:
+    columns = _step_table(steps)
+    if not columns.rows:
         return None
-    coverage = {k: int((frame[k] > 0).sum()) if k in frame else 0 for k in MEMORY_LABEL}
+    coverage = {k: columns.positive(k) for k in MEMORY_LABEL}
     if coverage["mem_allocated"]:
         key = "mem_allocated"
     elif coverage["uss"] and coverage["uss"] >= 0.8 * coverage["rss"]:
@@ -185,7 +175,7 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
         return None
     kind = "device" if key == "mem_allocated" else "host"
     leaks = [f for f in leaks if f.evidence.get("kind", kind) == kind]
-    ranks, step_ids, grid = rank_step_grid(frame, key)
+    ranks, step_ids, grid = columns.grid(key)
     named = named_ranks(leaks, ("memory_leak",))
     chosen = ranks.tolist() if len(ranks) <= PER_RANK_LINES else named
     limit = max(PER_RANK_LINES, MAX_OUTLIERS)

@@ -1,0 +1,193 @@
+"""The steps stream as the report reads it: straight from the cached pyarrow table (frames.read_stream), a
+block of rows at a time, never as one pandas frame of every row.
+
+Why: the report made the table a pandas frame, sorted all of its rows by (rank, step) for the per-rank
+table and copied it for each ranks × steps grid (`_crossrank.rank_step_grid`: `frame[keep].assign(...)`).
+At 3,000 ranks × 1,000 steps that was ~230 MiB over the cached tables, at 10,000 ranks three times that.
+Here a block is BLOCK_ROWS rows (a numpy view of a float column without nulls, else a copy of the block):
+
+- `grid(column)`: the ranks × steps matrix `rank_step_grid` makes, filled a block at a time;
+- `per_rank()`: `rank_view.summarise` on blocks of whole ranks in (rank, step) order. A run's rows are
+  its per-rank files in rank order, each in step order: when a vectorised check confirms it (no null
+  rank or step, rank never decreasing, step never decreasing within a rank) the blocks are slices of the
+  table; otherwise (a shared file, a restarted rank) they are taken through a stable sort of the row
+  numbers by (rank, step), the order `sort_values(["rank", "step"], kind="stable")` gave.
+
+A host column may be dictionary-encoded (pandas Categorical); a block casts it to plain strings first, so
+the per-rank table is the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+
+BLOCK_ROWS = 1 << 18  # 256 ranks of 1,000 steps: 0.4 s and +6 MiB for the per-rank table of 3,000 ranks
+PER_RANK_COLUMNS = ("rank", "step", "host", "step_time_s", "loss", "skipped", "rss")
+
+
+class StepTable:
+    """The report's columns of every step record (a pyarrow table of frames.STREAM_COLUMNS' types)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+
+    @classmethod
+    def from_records(cls, records: Sequence[dict[str, Any]], columns: Sequence[str]) -> StepTable:
+        """Plain records (a caller without the column-wise read), each value coerced to its column's type
+        as the columnar reader does with a record of a file (a value of the wrong type becomes null)."""
+        import pyarrow as pa
+
+        from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce
+        from ciuic_doctor.frames import schema_for
+
+        schema = schema_for(columns)
+        return cls(
+            pa.table(
+                {
+                    c: pa.array(
+                        [_coerce(r.get(c), COLUMN_TYPES.get(c, "float64"))[0] for r in records],
+                        type=schema.field(c).type,
+                    )
+                    for c in columns
+                }
+            )
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+    def has_steps(self) -> bool:
+        return self.rows > 0 and self.table["step"].null_count < self.rows
+
+    @property
+    def ranks(self) -> list[int]:
+        """Every rank a record names (whether or not its step is known), sorted."""
+        import pyarrow.compute as pc
+
+        return sorted(pc.unique(self.table["rank"]).drop_null().to_pylist())
+
+    @property
+    def hosts(self) -> list[str]:
+        import pyarrow.compute as pc
+
+        return sorted(str(h) for h in pc.unique(self.table["host"]).drop_null().to_pylist())
+
+    def positive(self, column: str) -> int:
+        """How many records have `column` > 0 (null and NaN are not)."""
+        import pyarrow.compute as pc
+
+        return int(pc.sum(pc.greater(self.table[column], 0)).as_py() or 0)
+
+    # ---- blocks of rows ---------------------------------------------------------------------------
+    def _keys(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """rank and step of rows [start, stop) as int64 (views without nulls) and which have both."""
+        rank, rank_ok = _ints(self.table["rank"].slice(start, stop - start))
+        step, step_ok = _ints(self.table["step"].slice(start, stop - start))
+        valid = rank_ok if step_ok is None else step_ok if rank_ok is None else rank_ok & step_ok
+        return rank, step, valid
+
+    def _blocks(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray | None]]:
+        for start in range(0, self.rows, BLOCK_ROWS):
+            yield start, *self._keys(start, min(start + BLOCK_ROWS, self.rows))
+
+    @cached_property
+    def _axes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted ranks and steps of the rows that have both."""
+        import numpy as np
+
+        ranks, steps = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
+        for _, rank, step, valid in self._blocks():
+            ranks.append(np.unique(rank if valid is None else rank[valid]))
+            steps.append(np.unique(step if valid is None else step[valid]))
+        return np.unique(np.concatenate(ranks)), np.unique(np.concatenate(steps))
+
+    def grid(self, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ranks, steps, ranks × steps values of `column`), as `_crossrank.rank_step_grid` makes them from
+        a frame: NaN where a rank has no finite value; of duplicates (a restarted rank), the later row."""
+        import numpy as np
+
+        from ciuic_doctor.frames import float_values
+
+        ranks, steps = self._axes
+        grid = np.full((len(ranks), len(steps)), np.nan)
+        values = self.table[column]
+        if values.null_count == len(values):
+            return ranks, steps, grid
+        for start, rank, step, valid in self._blocks():
+            block = float_values(values.slice(start, len(rank)))
+            keep = slice(None) if valid is None else valid
+            grid[np.searchsorted(ranks, rank[keep]), np.searchsorted(steps, step[keep])] = block[keep]
+        grid[~np.isfinite(grid)] = np.nan
+        return ranks, steps, grid
+
+    # ---- per-rank table ---------------------------------------------------------------------------
+    @cached_property
+    def _order(self) -> np.ndarray | None:
+        """None when the rows are already in (rank, step) order, all with a rank and a step; else the row
+        numbers of those that have both, stably sorted by (rank, step)."""
+        import numpy as np
+
+        rank, step, valid = self._keys(0, self.rows)
+        if valid is None:
+            same = rank[1:] == rank[:-1]
+            if not (rank[1:] < rank[:-1]).any() and not ((step[1:] < step[:-1]) & same).any():
+                return None
+            del same
+        rows = np.arange(self.rows) if valid is None else np.flatnonzero(valid)
+        return rows[np.lexsort((step[rows], rank[rows]))]
+
+    def _rank_blocks(self) -> Iterator[pa.Table]:
+        """PER_RANK_COLUMNS of about BLOCK_ROWS rows at a time in (rank, step) order, each block whole
+        ranks (a rank longer than a block is a block); one empty block when no row has a rank and a step."""
+        import numpy as np
+
+        table = self.table.select(list(PER_RANK_COLUMNS))
+        order = self._order
+        rank = _ints(table["rank"])[0]
+        if order is not None:
+            rank = rank[order]
+        starts = np.flatnonzero(rank[1:] != rank[:-1]) + 1  # where a rank's rows begin (but the first)
+        rows = len(rank)
+        del rank
+        start = 0
+        while True:
+            after = np.searchsorted(starts, start + BLOCK_ROWS)
+            stop = int(starts[after]) if after < len(starts) else rows
+            yield table.slice(start, stop - start) if order is None else table.take(order[start:stop])
+            if stop >= rows:
+                return
+            start = stop
+
+    def per_rank(self) -> pd.DataFrame:
+        """rank_view.summarise of every rank (one row each, by rank)."""
+        import pandas as pd
+
+        from ciuic_doctor.report.rank_view import summarise
+
+        frames = (_plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
+        return pd.concat([summarise(frame) for frame in frames], ignore_index=True)
+
+
+def _ints(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | None]:
+    """An int64 column as numpy (a view when it has no nulls; nulls as 0) and its validity (None: all)."""
+    if not column.null_count:
+        return column.to_numpy(), None
+    return column.fill_null(0).to_numpy(), column.is_valid().to_numpy()
+
+
+def _plain_strings(table: pa.Table) -> pa.Table:
+    """Dictionary-encoded columns as their values: the block's pandas frame is the same either way."""
+    import pyarrow as pa
+
+    for i, field in enumerate(table.schema):
+        if pa.types.is_dictionary(field.type):
+            table = table.set_column(i, field.name, table.column(i).cast(field.type.value_type))
+    return table

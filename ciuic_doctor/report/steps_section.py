@@ -53,40 +53,33 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     if not columns.has_steps():
         return
     named = named_ranks(findings, STEP_CHECKS, per_host=True)
-    ranks, step_ids, step_grid = columns.grid("step_time_s")
-    _, _, pace_grid = columns.grid("pre_backward_s")
+    table = columns.per_rank()  # first: its blocks are never held beside a grid
+    hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
+    # The pace (pre_backward_s; else the step time, as in other tools' logs) gives each rank's level and
+    # the lines drawn. One ranks × steps grid at a time: 23 MiB at 3,000 × 1,000, and the level's
+    # normalised copy and its sort take three more.
+    ranks, step_ids, grid = columns.grid("pre_backward_s")
+    has_pace = bool(np.isfinite(grid).any())
+    if not has_pace:
+        grid = columns.grid("step_time_s")[2]
     with quiet_nan():
-        level = np.nanmedian(normalised(pace_grid if np.isfinite(pace_grid).any() else step_grid), axis=1)
+        level = np.nanmedian(normalised(grid), axis=1)
     slowest = [int(ranks[i]) for i in np.argsort(-np.nan_to_num(level, nan=-1.0))[:2]]
     chosen = ranks.tolist() if len(ranks) <= PER_RANK_LINES else (named or slowest[:1])
     chosen = list(dict.fromkeys(chosen))
     limit = max(PER_RANK_LINES, MAX_OUTLIERS)  # a small run: every rank
-    has_pace = bool(np.isfinite(pace_grid).any())
-    table = columns.per_rank()
-    hosts = dict(zip(table["rank"].tolist(), table["host"].tolist(), strict=True))
     labels = {r: f"rank {r} ({hosts[r]})" for r in chosen if isinstance(hosts.get(r), str)}
-    # Under DDP every rank's step ends together: the outliers show in the pace, not in the step time.
-    panels = [
-        {
-            "frame": bands(step_ids, step_grid, unit="ms", scale=1e3),
-            "unit": "ms",
-            "ylabel": "step time (ms)",
-            "lines": []
-            if has_pace
-            else outlier_lines(ranks, step_ids, step_grid, chosen, scale=1e3, labels=labels, limit=limit),
-        }
-    ]
-    if has_pace:
-        panels.append(
-            {
-                "frame": bands(step_ids, pace_grid, unit="ms", scale=1e3),
-                "unit": "ms",
-                "ylabel": "before backward (ms)",
-                "lines": outlier_lines(
-                    ranks, step_ids, pace_grid, chosen, scale=1e3, labels=labels, limit=limit
-                ),
-            }
-        )
+    lines = outlier_lines(ranks, step_ids, grid, chosen, scale=1e3, labels=labels, limit=limit)
+    band = bands(step_ids, grid, unit="ms", scale=1e3)
+    del grid
+    step_panel = {"frame": band, "unit": "ms", "ylabel": "step time (ms)", "lines": lines}
+    panels = [step_panel]
+    if has_pace:  # under DDP every rank's step ends together: the outliers show in the pace, not here
+        step_band = bands(step_ids, columns.grid("step_time_s")[2], unit="ms", scale=1e3)
+        panels = [
+            {**step_panel, "frame": step_band, "lines": []},
+            {"frame": band, "unit": "ms", "ylabel": "before backward (ms)", "lines": lines},
+        ]
     svg = band_plot(panels, name="step time per step across ranks", ranks=len(ranks))
     if svg:
         section.plots.append(svg)

@@ -237,3 +237,18 @@ def test_memwatch_view_of_one_process():
     assert memwatch_plot(memwatch_view._plot_samples(table, names, codes, key), key=key) == memwatch_plot(
         records, key=key
     )
+
+
+def test_a_rank_without_a_host_leaves_it_out_of_the_heat_map():
+    from ciuic_doctor.report.blocks import Section
+    from ciuic_doctor.report.steps_section import job_content
+
+    records = [
+        {"rank": r, "step": s, "step_time_s": 0.5 + 0.01 * r, "pre_backward_s": 0.2, "rss": 1e9}
+        | ({} if r == 5 else {"host": f"node-{r // 8}"})
+        for r in range(16)
+        for s in range(1, 6)
+    ]
+    section = Section(id="job", title="job", command="job", probes=("steps",), streams=("steps",))
+    job_content(section, records)
+    assert any("host × rank heat-map" in svg for svg in section.plots)

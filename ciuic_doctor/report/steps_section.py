@@ -84,7 +84,8 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     if svg:
         section.plots.append(svg)
     if len(ranks) >= TABLE_ROWS and table["host"].nunique() >= 2:
-        hosts = table.set_index("rank").reindex(ranks)["host"].tolist()
+        # a rank whose records name no host has NaN here: None, which the heat-map leaves out
+        hosts = [h if isinstance(h, str) else None for h in table.set_index("rank").reindex(ranks)["host"]]
         peak = table.set_index("rank").reindex(ranks)["peak_rss_bytes"].to_numpy(dtype=float) / 2**30
         svg = host_heatmap(
             hosts,

@@ -19,13 +19,13 @@ import pytest
 from ciuic_doctor import frames
 from ciuic_doctor.analysis.stability import analyze_log
 from ciuic_doctor.importers import (
-    _grouped_intervals,
     intervals,
     normalize,
     ours,
     ours_columnar,
     rank_intervals,
 )
+from ciuic_doctor.importers._table import _grouped_intervals
 from ciuic_doctor.store import RunDir, dumps
 from tests import scalesynth
 

@@ -17,8 +17,8 @@ from ciuic_doctor.analysis._crossrank import rank_step_grid
 from ciuic_doctor.frames import TableRead, schema_for
 from ciuic_doctor.report import memwatch_view, step_table
 from ciuic_doctor.report.plots import memwatch_plot
-from ciuic_doctor.report.rank_view import COLUMNS, MEMORY_COLUMNS, summarise
-from ciuic_doctor.report.step_table import StepTable
+from ciuic_doctor.report.rank_view import COLUMNS, MEMORY_COLUMNS
+from ciuic_doctor.report.step_table import StepTable, summarise
 
 STEP_COLUMNS = (*COLUMNS, *MEMORY_COLUMNS)
 VARIANTS = ("in order", "shuffled", "restarted", "null keys", "one rank", "missing columns", "dictionary")

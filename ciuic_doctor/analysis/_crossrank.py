@@ -35,7 +35,11 @@ from ciuic_doctor.analysis._pace_stats import (  # noqa: F401 - quiet_nan, norma
     row_medians,
     typical_pace,
 )
-from ciuic_doctor.analysis._step_grid import rank_step_grid, step_matrix  # noqa: F401 - the report's, steps.py's
+from ciuic_doctor.analysis._step_grid import (  # noqa: F401 - the report's, steps.py's
+    StepMatrix,
+    rank_step_grid,
+    step_matrix,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -47,22 +51,6 @@ MIN_SEGMENT_STEPS = 10
 MIN_SEGMENT_FRACTION = 0.05
 ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
 ONE_OFF_SIGMAS = 6.0
-
-
-@dataclass(kw_only=True)
-class StepMatrix:
-    """One value per (rank, step): `ranks` and `steps` sorted, NaN where a rank recorded no value."""
-
-    ranks: np.ndarray
-    steps: np.ndarray
-    hosts: list[str | None]
-    step_time_s: np.ndarray
-    pace_s: np.ndarray
-    pace_metric: str
-
-    @property
-    def host_of(self) -> dict[int, str | None]:
-        return dict(zip(self.ranks.tolist(), self.hosts, strict=True))
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ its kept rows name.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,7 +23,22 @@ if TYPE_CHECKING:
     import pandas as pd
     import pyarrow
 
-    from ciuic_doctor.analysis._crossrank import StepMatrix
+
+@dataclass(kw_only=True)
+class StepMatrix:
+    """One value per (rank, step): `ranks` and `steps` sorted, NaN where a rank recorded no value."""
+
+    ranks: np.ndarray
+    steps: np.ndarray
+    hosts: list[str | None]
+    step_time_s: np.ndarray
+    pace_s: np.ndarray
+    pace_metric: str
+
+    @property
+    def host_of(self) -> dict[int, str | None]:
+        return dict(zip(self.ranks.tolist(), self.hosts, strict=True))
+
 
 BLOCK_ROWS = 1 << 18  # 262,144 rows: 2 MiB an array, where a whole column is 80 MB at 10,000 ranks
 TIMES = ("step_time_s", "pre_backward_s")
@@ -112,7 +128,6 @@ def matrix_from_table(table: pyarrow.Table, *, warmup_steps: int, min_steady_ste
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ciuic_doctor.analysis._crossrank import StepMatrix
     from ciuic_doctor.frames import float_values
 
     names = set(table.column_names)

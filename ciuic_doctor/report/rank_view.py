@@ -6,7 +6,8 @@ The report used to hand every step record to the plots, which drew one line per 
 and reduced to HTA-style tidy frames with the unit in each column name:
 
     bands(...)        step, min_<unit>, p50_<unit>, p99_<unit>, max_<unit>  (one row per step or bin)
-    summarise(...)    rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps, peak_rss_bytes
+    step_table.summarise(...)  rank, host, steps, median_step_ms, max_step_ms, last_loss,
+                               skipped_steps, peak_rss_bytes
 
 (the grids and the per-rank table come from `step_table.StepTable`, a block of the stream's rows at a time)
 
@@ -158,32 +159,6 @@ def outlier_lines(
         label = (labels or {}).get(rank, f"rank {rank}")
         lines.append((label, xs.tolist(), ys.tolist()))
     return lines
-
-
-# ---- per-rank table -------------------------------------------------------------------------------
-def summarise(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per rank: rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps,
-    peak_rss_bytes, from rows that all have a rank and a step, in (rank, step) order (vectorised groupby;
-    step_table.StepTable.per_rank hands it blocks of whole ranks)."""
-    import pandas as pd
-
-    step_ms = pd.to_numeric(frame["step_time_s"], errors="coerce") * 1e3
-    grouped = frame.assign(step_ms=step_ms, skipped=frame["skipped"].fillna(False).astype(bool)).groupby(
-        "rank"
-    )
-    table = pd.DataFrame(
-        {
-            "host": grouped["host"].last(),
-            "steps": grouped["step"].count(),
-            "median_step_ms": grouped["step_ms"].median(),
-            "max_step_ms": grouped["step_ms"].max(),
-            "last_loss": grouped["loss"].last(),
-            "skipped_steps": grouped["skipped"].sum(),
-            "peak_rss_bytes": grouped["rss"].max(),
-        }
-    )
-    table.index = table.index.astype("int64")
-    return table.reset_index()
 
 
 def csv_text(table: pd.DataFrame) -> str:

@@ -8,7 +8,7 @@ At 3,000 ranks × 1,000 steps (3 M rows) the frame cost 56 MiB over the cached t
 BLOCK_ROWS rows (a numpy view of a float column without nulls, else a copy of the block):
 
 - `grid(column)`: the ranks × steps matrix `rank_step_grid` makes, filled a block at a time;
-- `per_rank()`: `rank_view.summarise` on blocks of whole ranks in (rank, step) order. A run's rows are
+- `per_rank()`: `summarise` on blocks of whole ranks in (rank, step) order. A run's rows are
   its per-rank files in rank order, each in step order: when a vectorised check confirms it (no null
   rank or step, rank never decreasing, step never decreasing within a rank) the blocks are slices of the
   table; otherwise (a shared file, a restarted rank) they are taken through a stable sort of the row
@@ -170,10 +170,8 @@ class StepTable:
             start = stop
 
     def per_rank(self) -> pd.DataFrame:
-        """rank_view.summarise of every rank (one row each, by rank)."""
+        """summarise of every rank (one row each, by rank)."""
         import pandas as pd
-
-        from ciuic_doctor.report.rank_view import summarise
 
         frames = (_plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
         return pd.concat([summarise(frame) for frame in frames], ignore_index=True)
@@ -194,3 +192,28 @@ def _plain_strings(table: pa.Table) -> pa.Table:
         if pa.types.is_dictionary(field.type):
             table = table.set_column(i, field.name, table.column(i).cast(field.type.value_type))
     return table
+
+
+def summarise(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per rank: rank, host, steps, median_step_ms, max_step_ms, last_loss, skipped_steps,
+    peak_rss_bytes, from rows that all have a rank and a step, in (rank, step) order (vectorised groupby;
+    StepTable.per_rank hands it blocks of whole ranks)."""
+    import pandas as pd
+
+    step_ms = pd.to_numeric(frame["step_time_s"], errors="coerce") * 1e3
+    grouped = frame.assign(step_ms=step_ms, skipped=frame["skipped"].fillna(False).astype(bool)).groupby(
+        "rank"
+    )
+    table = pd.DataFrame(
+        {
+            "host": grouped["host"].last(),
+            "steps": grouped["step"].count(),
+            "median_step_ms": grouped["step_ms"].median(),
+            "max_step_ms": grouped["step_ms"].max(),
+            "last_loss": grouped["loss"].last(),
+            "skipped_steps": grouped["skipped"].sum(),
+            "peak_rss_bytes": grouped["rss"].max(),
+        }
+    )
+    table.index = table.index.astype("int64")
+    return table.reset_index()

@@ -63,6 +63,8 @@ def watched_run(proc: psutil.Process) -> Path | None:
 
 def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
     """Ask, wait, py-spy, copy: the run directory holding every rank's position."""
+    if out is not None and Path(out).exists():  # a refused --out is said first, whatever runs at `pid`
+        RunDir.create(out)
     ranks = find_ranks(pid)
     watched = {rank: run for rank, proc in ranks.items() if (run := watched_run(proc)) is not None}
     run = RunDir.create(out or next(iter(watched.values()), None) or default_run_path("hang"))

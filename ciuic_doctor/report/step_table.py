@@ -173,7 +173,9 @@ class StepTable:
         """summarise of every rank (one row each, by rank)."""
         import pandas as pd
 
-        frames = (_plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
+        from ciuic_doctor.frames_assemble import plain_strings
+
+        frames = (plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
         return pd.concat([summarise(frame) for frame in frames], ignore_index=True)
 
 
@@ -182,16 +184,6 @@ def _ints(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | None]:
     if not column.null_count:
         return column.to_numpy(), None
     return column.fill_null(0).to_numpy(), column.is_valid().to_numpy()
-
-
-def _plain_strings(table: pa.Table) -> pa.Table:
-    """Dictionary-encoded columns as their values: the block's pandas frame is the same either way."""
-    import pyarrow as pa
-
-    for i, field in enumerate(table.schema):
-        if pa.types.is_dictionary(field.type):
-            table = table.set_column(i, field.name, table.column(i).cast(field.type.value_type))
-    return table
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:

@@ -13,7 +13,6 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.analysis._crossrank import rank_step_grid
 from ciuic_doctor.frames import TableRead, schema_for
 from ciuic_doctor.report import memwatch_view, step_table
 from ciuic_doctor.report.plots import memwatch_plot
@@ -22,6 +21,24 @@ from ciuic_doctor.report.step_table import StepTable, summarise
 
 STEP_COLUMNS = (*COLUMNS, *MEMORY_COLUMNS)
 VARIANTS = ("in order", "shuffled", "restarted", "null keys", "one rank", "missing columns", "dictionary")
+
+
+def rank_step_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The report's grid before step_table (a pandas frame of every row), kept here as the reference:
+    (ranks, steps, ranks × steps values of `column`) from rows with a whole-number rank and step; NaN
+    where a rank has no finite value; of duplicates (a restarted rank), the later record."""
+    rank = pd.to_numeric(frame["rank"], errors="coerce") if "rank" in frame else pd.Series(dtype=float)
+    step = pd.to_numeric(frame["step"], errors="coerce") if "step" in frame else pd.Series(dtype=float)
+    keep = (rank.notna() & step.notna()).to_numpy()
+    frame = frame[keep].assign(rank=rank[keep].astype("int64"), step=step[keep].astype("int64"))
+    ranks, steps = np.unique(frame["rank"].to_numpy()), np.unique(frame["step"].to_numpy())
+    grid = np.full((len(ranks), len(steps)), np.nan)
+    if column in frame:
+        rows = np.searchsorted(ranks, frame["rank"].to_numpy())
+        cols = np.searchsorted(steps, frame["step"].to_numpy())
+        grid[rows, cols] = frame[column].to_numpy(dtype=float, na_value=np.nan)
+        grid[~np.isfinite(grid)] = np.nan
+    return ranks, steps, grid
 
 
 def _steps(variant: str, ranks: int = 12, steps: int = 30) -> pa.Table:

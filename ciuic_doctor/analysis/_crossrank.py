@@ -37,7 +37,6 @@ from ciuic_doctor.analysis._pace_stats import (  # noqa: F401 - quiet_nan, norma
 )
 from ciuic_doctor.analysis._step_grid import (  # noqa: F401 - the report's, steps.py's
     StepMatrix,
-    rank_step_grid,
     step_matrix,
 )
 

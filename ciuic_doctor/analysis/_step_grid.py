@@ -173,34 +173,7 @@ def matrix_from_table(table: pyarrow.Table, *, warmup_steps: int, min_steady_ste
     )
 
 
-# ---- a frame's rows (records, the report's frame) -------------------------------------------------
-def _grid(frame: pd.DataFrame, ranks: np.ndarray, steps: np.ndarray, column: str) -> np.ndarray:
-    import numpy as np
-
-    grid = np.full((len(ranks), len(steps)), np.nan)
-    if column not in frame:
-        return grid
-    values = frame[column].to_numpy(dtype=float, na_value=np.nan)
-    rows = np.searchsorted(ranks, frame["rank"].to_numpy())
-    cols = np.searchsorted(steps, frame["step"].to_numpy())
-    grid[rows, cols] = values  # duplicates (a restarted rank): the later record wins
-    grid[~np.isfinite(grid)] = np.nan
-    return grid
-
-
-def rank_step_grid(frame: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ranks, steps, ranks × steps values of `column`) from rows with a whole-number rank and step."""
-    import numpy as np
-    import pandas as pd
-
-    rank = pd.to_numeric(frame["rank"], errors="coerce") if "rank" in frame else pd.Series(dtype=float)
-    step = pd.to_numeric(frame["step"], errors="coerce") if "step" in frame else pd.Series(dtype=float)
-    keep = (rank.notna() & step.notna()).to_numpy()
-    frame = frame[keep].assign(rank=rank[keep].astype("int64"), step=step[keep].astype("int64"))
-    ranks, steps = np.unique(frame["rank"].to_numpy()), np.unique(frame["step"].to_numpy())
-    return ranks, steps, _grid(frame, ranks, steps, column)
-
-
+# ---- a frame's rows (records) ---------------------------------------------------------------------
 def step_matrix(frame: pd.DataFrame, *, warmup_steps: int, min_steady_steps: int) -> StepMatrix | None:
     """The steps stream as matrices (rows with a whole-number rank and step only); None when empty.
     A frame of records goes through the same reader as the steps table."""

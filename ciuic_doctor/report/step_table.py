@@ -2,12 +2,13 @@
 block of rows at a time, never as one pandas frame of every row.
 
 Why: the report made the table a pandas frame, sorted all of its rows by (rank, step) for the per-rank
-table and copied it for each ranks × steps grid (`_crossrank.rank_step_grid`: `frame[keep].assign(...)`).
-At 3,000 ranks × 1,000 steps (3 M rows) the frame cost 56 MiB over the cached table, each grid 129 MiB
-(23 MiB of it the grid), the per-rank table 94 MiB; at 10,000 ranks, three times that. Here a block is
-BLOCK_ROWS rows (a numpy view of a float column without nulls, else a copy of the block):
+table and copied it for each ranks × steps grid (`frame[keep].assign(...)`; tests/test_report_columns.py
+keeps that code as the reference). At 3,000 ranks × 1,000 steps (3 M rows) the frame cost 56 MiB over
+the cached table, each grid 129 MiB (23 MiB of it the grid), the per-rank table 94 MiB; at 10,000
+ranks, three times that. Here a block is BLOCK_ROWS rows (a numpy view of a float column without nulls,
+else a copy of the block):
 
-- `grid(column)`: the ranks × steps matrix `rank_step_grid` makes, filled a block at a time;
+- `grid(column)`: the ranks × steps matrix of one column, filled a block at a time;
 - `per_rank()`: `summarise` on blocks of whole ranks in (rank, step) order. A run's rows are
   its per-rank files in rank order, each in step order: when a vectorised check confirms it (no null
   rank or step, rank never decreasing, step never decreasing within a rank) the blocks are slices of the
@@ -113,8 +114,8 @@ class StepTable:
         return np.unique(np.concatenate(ranks)), np.unique(np.concatenate(steps))
 
     def grid(self, column: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ranks, steps, ranks × steps values of `column`), as `_crossrank.rank_step_grid` makes them from
-        a frame: NaN where a rank has no finite value; of duplicates (a restarted rank), the later row."""
+        """(ranks, steps, ranks × steps values of `column`) of the rows with a rank and a step: NaN where a
+        rank has no finite value; of duplicates (a restarted rank), the later row."""
         import numpy as np
 
         from ciuic_doctor.frames import float_values

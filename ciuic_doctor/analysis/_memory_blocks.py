@@ -34,12 +34,15 @@ class _StepsBlock:
         spans = [bounds[r] for r in ranks if r in bounds]
         self._steps = steps
         self._rows = slice(min(s for s, _ in spans), max(e for _, e in spans)) if spans else slice(0, 0)
+        self._flat: dict[str, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self._rows.stop - self._rows.start
 
     def flat(self, name: str) -> np.ndarray:
-        return self._steps.flat(name)[self._rows]
+        if name not in self._flat:  # converted from the block's rows: no job-wide float64 copy is made
+            self._flat[name] = self._steps.rows(name, self._rows.start, self._rows.stop)
+        return self._flat[name]
 
     def host(self, rank: int) -> str | None:
         return self._steps.host(rank)

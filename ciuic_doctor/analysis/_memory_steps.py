@@ -42,13 +42,14 @@ class StepColumns(Mapping):
         from ciuic_doctor.analysis._memory_columns import LazyColumns
         from ciuic_doctor.frames import float_values, read_stream
 
+        self._table: Any = None
         self._columns: dict[str, np.ndarray] = {}
         self._hosts: dict[int, str | None] = {}
         self._bounds: dict[int, tuple[int, int]] = {}
         self._cache: dict[int, list[dict[str, Any]]] = {}
         if not run.has_stream("steps"):
             return
-        table = read_stream(run, "steps", self.COLUMNS).table
+        table = read_stream(run, "steps", self.COLUMNS, encoded=True).table  # host: codes, looked up per rank
         if table["rank"].null_count or table["step"].null_count:  # a filter copies every column
             table = table.filter(pc.and_(pc.is_valid(table["rank"]), pc.is_valid(table["step"])))
         if not table.num_rows:
@@ -61,22 +62,36 @@ class StepColumns(Mapping):
         if not ((rank[1:] >= rank[:-1]).all() and (t[1:][same] >= t[:-1][same]).all()):
             keys = [("rank", "ascending", "at_start"), ("t", "ascending", "at_start")]
             table = table.take(pc.sort_indices(table, keys))
-        numeric = tuple(c for c in self.COLUMNS if c != "host")  # made float64 when a check reads one
+            rank = table["rank"].to_numpy()
+        del t
+        self._table = table
+        # The job's column as float64 only when the whole job is asked for (`flat`: a run of at most one
+        # block of ranks, `_memory_blocks`); a block or a rank converts its own rows (`rows`): at 10,000
+        # ranks × 1,000 steps each job-wide copy was 80 MB, and the checks made seven of them.
+        numeric = tuple(c for c in self.COLUMNS if c != "host")
         self._columns = LazyColumns(numeric, lambda name: float_values(table[name]))
-        ranks = self._columns["rank"].astype(np.int64)
-        unique, starts = np.unique(ranks, return_index=True)
-        stops = [*starts[1:].tolist(), len(ranks)]
+        unique, starts = np.unique(rank.astype(np.int64, copy=False), return_index=True)
+        stops = [*starts[1:].tolist(), len(rank)]
         hosts = table["host"].take(starts).to_pylist()
-        for rank, start, stop, host in zip(unique.tolist(), starts.tolist(), stops, hosts, strict=True):
-            self._bounds[rank] = (start, stop)
-            self._hosts[rank] = host
+        for rank_no, start, stop, host in zip(unique.tolist(), starts.tolist(), stops, hosts, strict=True):
+            self._bounds[rank_no] = (start, stop)
+            self._hosts[rank_no] = host
 
-    def column(self, rank: int, name: str) -> np.ndarray:
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """`name` of rows start..stop (`flat`'s order) as float64, converted from those rows only."""
         import numpy as np
 
+        from ciuic_doctor.frames import float_values
+
+        if name in self._columns:  # the job's column was made already: a view of it
+            return self._columns[name][start:stop]
+        if self._table is None or name not in self._table.column_names:
+            return np.empty(0)
+        return float_values(self._table[name].slice(start, stop - start))
+
+    def column(self, rank: int, name: str) -> np.ndarray:
         start, stop = self._bounds.get(rank, (0, 0))
-        values = self._columns.get(name)
-        return values[start:stop] if values is not None else np.empty(0)
+        return self.rows(name, start, stop)
 
     def bounds(self) -> dict[int, tuple[int, int]]:
         """rank -> (first row, row after its last) in `flat`'s order."""
@@ -90,12 +105,6 @@ class StepColumns(Mapping):
 
     def host(self, rank: int) -> str | None:
         return self._hosts.get(rank)
-
-    def ranks_with(self, name: str) -> list[int]:
-        """Ranks that recorded `name` at least once (e.g. the CUDA allocator fields)."""
-        import numpy as np
-
-        return [rank for rank in self._bounds if np.isfinite(self.column(rank, name)).any()]
 
     def __getitem__(self, rank: int) -> list[dict[str, Any]]:
         if rank not in self._bounds:

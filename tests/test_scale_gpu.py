@@ -187,3 +187,32 @@ def test_blocks_of_ranks_without_memwatch_or_cuda_fields_change_no_finding(tmp_p
     blocked = [f.to_dict() for f in memory.analyze(run)]
     assert blocked == whole
     assert any(f["check"] == "memory_leak" and f["verdict"] in ("warn", "fail") for f in whole)
+
+
+def test_blocks_of_ranks_convert_only_their_own_rows(judged, monkeypatch):
+    """In blocks, no memory check makes a job-wide float64 copy of a steps or memwatch column (80 MB each
+    at 10,000 ranks × 1,000 steps) and no joined fit keeps its points; host and role stay dictionary
+    codes while the checks run, and a joined fit still gives any rank's series (made again from it)."""
+    import pyarrow as pa
+
+    from ciuic_doctor.analysis import _memory_blocks
+    from ciuic_doctor.analysis._memory_batch import host_fits
+    from ciuic_doctor.analysis._memory_cuda import cuda_findings
+    from ciuic_doctor.analysis._memory_data import _Data
+    from ciuic_doctor.analysis._memory_leaks import leak_findings
+
+    path, _ = judged
+    monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)
+    data = _Data(RunDir.open(path))
+    assert pa.types.is_dictionary(data.steps._table["host"].type)
+    assert pa.types.is_dictionary(data.memwatch._table["role"].type)
+    flagged = [f for f in [*leak_findings(data), *cuda_findings(data)] if f.verdict in ("warn", "fail")]
+    assert {f.check for f in flagged} == {"memory_leak", "empty_cache"}
+    assert not data.steps._columns  # no job-wide column was made
+    assert not data.memwatch._columns
+    fits = host_fits(data)
+    assert fits.points is None
+    leak = fits.ranks.index(PLAN.leak_rank)
+    series = fits.series(leak)
+    assert len(series.x) > 100
+    assert series.source == "memwatch"

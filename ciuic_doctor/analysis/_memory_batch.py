@@ -12,10 +12,11 @@ only for the ranks it names (growing, steepest); `RankFits.series(i)` gives one 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.analysis._memory_blocks import in_blocks
+from ciuic_doctor.analysis._memory_blocks import _DataBlock, in_blocks
 from ciuic_doctor.analysis._memory_data import (
     LEAK_MIN_FRACTION,
     LEAK_R2,
@@ -37,8 +38,10 @@ HOST_METRICS = ("anon", "uss", "rss")
 @dataclass(kw_only=True)
 class RankFits:
     """One series per rank (where it has one) and its trend; index i is `ranks[i]`. Fits joined from
-    blocks of ranks (`join_fits`) keep each block's points apart (`blocks`; `points` is None): a job-wide
-    copy of them was 240 MB at 10,000 ranks, and `series` reads a few ranks."""
+    blocks of ranks (`join_fits`) keep no points (`points` is None): `series(i)` makes rank i's again
+    from its own rows (`remake`). The checks read the series of a few ranks (the growing ones and the
+    steepest), and keeping every block's points held 240 MB a fit at 10,000 ranks × 1,000 steps, two
+    fits at once (host and device): 0.5 GB of the report's peak."""
 
     ranks: list[int]
     points: RankSeries | None  # every point of each rank's chosen series (not warmed), in series order
@@ -49,13 +52,13 @@ class RankFits:
     pid: list[int | None] = field(default_factory=list)
     host: list[str | None] = field(default_factory=list)
     trends: Trends | None = None
-    blocks: list[tuple[int, RankFits]] = field(default_factory=list)  # (first index, block's fits)
+    remake: Callable[[int], RankFits] | None = None  # joined fits: rank i's fits alone, made again
 
     def series(self, i: int) -> Series:
         """Rank `ranks[i]`'s chosen series, every point (the warm-up too)."""
         if self.points is None:
-            first, block = next((first, b) for first, b in reversed(self.blocks) if first <= i)
-            return block.series(i - first)
+            assert self.remake is not None, "fits joined from blocks are made with a remake"
+            return self.remake(i).series(0)
         mask = self.points.ids == i
         return Series(
             x=self.points.x[mask].tolist(),
@@ -227,9 +230,19 @@ def _memwatch_hosts(data: _Data, index: _Index) -> list[str | None]:
     return [None if p is None else data.memwatch.host(p) for p in index.pids]
 
 
+def fits_in_blocks(data: _Data, make: Callable[[Any], RankFits]) -> RankFits:
+    """`make(data)` a block of ranks at a time (`_memory_blocks.in_blocks`), joined; a rank's series is
+    then made again from that rank's rows alone when asked (the same series: every rule is per rank,
+    tests/test_scale_gpu.py checks each one against one block's)."""
+    fits = in_blocks(data, make, join_fits)
+    if fits.points is None:
+        fits.remake = lambda i: make(_DataBlock(data, [fits.ranks[i]]))
+    return fits
+
+
 def host_fits(data: _Data) -> RankFits:
     """`_memory_leaks._host_series` and its trend, for every rank (a block of ranks at a time)."""
-    return in_blocks(data, _host_fits, join_fits)
+    return fits_in_blocks(data, _host_fits)
 
 
 def _host_fits(data: _Data) -> RankFits:
@@ -294,7 +307,7 @@ def _host_fits(data: _Data) -> RankFits:
 
 def device_fits(data: _Data) -> RankFits:
     """`_memory_leaks._device_series` and its trend, for every rank (a block of ranks at a time)."""
-    return in_blocks(data, _device_fits, join_fits)
+    return fits_in_blocks(data, _device_fits)
 
 
 def _device_fits(data: _Data) -> RankFits:
@@ -331,7 +344,7 @@ def _device_fits(data: _Data) -> RankFits:
 
 def steps_fits(data: _Data, name: str, ranks: list[int] | None = None) -> RankFits:
     """One step field of every rank (or of `ranks`) against steps, and its trend (a block at a time)."""
-    return in_blocks(data, lambda block: _steps_fits(block, name, ranks), join_fits)
+    return fits_in_blocks(data, lambda block: _steps_fits(block, name, ranks))
 
 
 def _steps_fits(data: _Data, name: str, ranks: list[int] | None) -> RankFits:
@@ -379,14 +392,12 @@ def _start(data: _Data, index: _Index) -> np.ndarray | None:
 
 
 def join_fits(parts: list[RankFits]) -> RankFits:
-    """The blocks' fits as one, in block order (each block's series ids shifted past the earlier ones)."""
+    """The blocks' fits as one, in block order, without their points (`RankFits.remake`)."""
     import numpy as np
 
-    offsets = np.cumsum([0, *(len(p.ranks) for p in parts)]).tolist()
     fits = RankFits(
         ranks=[r for p in parts for r in p.ranks],
         points=None,
-        blocks=list(zip(offsets, parts, strict=False)),
         has=np.concatenate([p.has for p in parts]),
         step_unit=np.concatenate([p.step_unit for p in parts]),
         metric=[m for p in parts for m in p.metric],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ciuic_doctor.analysis._memory_batch import RankFits, _assemble, _Index, join_fits, trends_of
-from ciuic_doctor.analysis._memory_blocks import in_blocks
+from ciuic_doctor.analysis._memory_blocks import _DataBlock, in_blocks
 from ciuic_doctor.analysis._memory_data import WARMUP_STEPS, _Data
 from ciuic_doctor.analysis._trends import RankSeries
 
@@ -32,7 +32,10 @@ def non_pytorch_fits(data: _Data) -> NonPytorch:
     """`_memory_cuda._non_pytorch_series` of every rank: NVML's bytes at each sample minus the reserved
     bytes of the rank's last step at or before it, against the sample's (fractional) step (a block of
     ranks at a time, `_memory_blocks`)."""
-    return in_blocks(data, _non_pytorch_fits, _join_non_pytorch)
+    batch = in_blocks(data, _non_pytorch_fits, _join_non_pytorch)
+    if batch.fits.points is None:  # joined: a rank's series is made again from its rows alone
+        batch.fits.remake = lambda i: _non_pytorch_fits(_DataBlock(data, [batch.fits.ranks[i]])).fits
+    return batch
 
 
 def _join_non_pytorch(parts: list[NonPytorch]) -> NonPytorch:

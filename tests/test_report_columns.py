@@ -200,9 +200,10 @@ def _old_memwatch(frame: pd.DataFrame) -> tuple[list[dict], list[dict], str]:
             "last_uss": uss.last(),
         }
     )
+    # a count is an int, as the row summary (sections._processes) has it; iterrows made it a float
     processes = [
-        {"process": process, **{k: (None if pd.isna(v) else v) for k, v in row.items()}}
-        for process, row in summary.iterrows()
+        {"process": process, **{k: (None if pd.isna(v) else v) for k, v in row.items()}, "samples": int(n)}
+        for (process, row), n in zip(summary.iterrows(), summary["samples"], strict=True)
     ]
     drawn = sorted(frame["process"].unique())[: memwatch_view.PLOT_PROCESSES]
     plot = frame[frame["process"].isin(drawn) & frame["t"].notna()]
@@ -231,7 +232,7 @@ def test_memwatch_view_is_the_pandas_summary_and_draws_the_same_plot(roles, monk
     processes, records, key = _old_memwatch(_plain(table))
     assert got.key == key
     assert got.processes == processes
-    # the same numpy types: the table prints what pandas gave ("884.0" samples)
+    # the same types: sizes as floats, the sample count as an int (the table printed "884.0" samples)
     assert [type(v) for p in got.processes for v in p.values()] == [
         type(v) for p in processes for v in p.values()
     ]

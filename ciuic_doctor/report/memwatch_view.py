@@ -95,8 +95,8 @@ def _any_positive(column: pa.ChunkedArray) -> bool:
 
 def _summaries(table: pa.Table, names: list[str], codes: np.ndarray) -> list[dict[str, Any]]:
     """Per process: samples, first / last / peak RSS and last USS over the samples where they are known
-    (null or NaN left out), BLOCK_ROWS samples at a time. Every figure is a float, the sample count too:
-    the table shows what the pandas summary's rows gave ("884.0")."""
+    (null or NaN left out), BLOCK_ROWS samples at a time. Sizes are floats (bytes) and the sample count
+    an int, as the row summary (`sections._processes`) gives them (the table showed "884.0" samples)."""
     import numpy as np
 
     from ciuic_doctor.frames import float_values
@@ -117,7 +117,7 @@ def _summaries(table: pa.Table, names: list[str], codes: np.ndarray) -> list[dic
         np.maximum.at(last_uss, codes[at], at)
     has = last >= 0
     figures = {
-        "samples": np.bincount(codes, minlength=count).astype(float).tolist(),
+        "samples": np.bincount(codes, minlength=count).tolist(),
         "first_rss": _at(table["rss"], np.where(has, first, -1)).tolist(),
         "last_rss": _at(table["rss"], last).tolist(),
         "peak_rss": np.where(has, peak, np.nan).tolist(),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli
 
 SCRIPT = Path(__file__).parent / "data" / "user_scripts" / "slow_loader_train.py"
@@ -121,3 +123,43 @@ def test_checkup_takes_the_same_set(tmp_path):
     assert script.returncode == 2
     assert "optim.lr: not a setting watch can apply" in script.stderr
     assert not (tmp_path / "s").exists()
+
+
+SPLIT_CLIP = """
+import json, sys, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+seen = {"pre": [], "post": []}
+for _ in range(3):
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(torch.randn(64, 16)), 10 * torch.randn(64, 4)).backward()
+    # accelerate >= 1.16 (so HF Trainer) clips this way, importing at call time, not clip_grad_norm_
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = get_total_norm([p.grad for p in params])
+    clip_grads_with_norm_(params, 1.0, total)
+    seen["pre"].append(float(total))
+    seen["post"].append(float(get_total_norm([p.grad for p in params])))
+    opt.step()
+print(json.dumps(seen))
+"""
+
+
+def test_a_clip_of_a_norm_taken_apart_is_recorded_and_set(tmp_path):
+    """torch.nn.utils.clip_grads_with_norm_ (accelerate's clip): the pre-clip norm and max_norm are
+    recorded as clip_grad_norm_'s, and --set optim.clip_max_norm changes the max_norm it runs with."""
+    script = tmp_path / "split_clip.py"
+    script.write_text(SPLIT_CLIP)
+    for sets, max_norm in (([], 1.0), (["--set", "optim.clip_max_norm=0.25"], 0.25)):
+        run = tmp_path / f"run{max_norm}"
+        done = run_cli("watch", "--out", str(run), *sets, "--", str(script), timeout=TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        records = _steps(run)
+        assert [r["grad_norm"] for r in records] == pytest.approx(seen["pre"], rel=1e-5)
+        assert {r["grad_norm_source"] for r in records} == {"clip"}
+        assert {r["clip_max_norm"] for r in records} == {max_norm}
+        assert _meta(run)["observed"]["optim"]["clip_max_norm"] == max_norm
+        assert min(seen["pre"]) > 1.0  # every step was clipped, to what was in force
+        assert max(seen["post"]) <= max_norm * 1.001

@@ -1,7 +1,7 @@
 """The wrappers watch puts around torch's functions: each hands what it saw to the session's hook bodies
 (`session._on_backward`, `_on_clip`, ...) through `session._guarded`, so a bug in them never breaks the
-user's training. `WatchSession._install` applies them; a new hook is one more factory here and one
-`self._patch` line there.
+user's training. `WatchSession._install` applies them (the clip ones through `install_clip`); a new hook
+is one more factory here and one `self._patch` line there.
 """
 
 from __future__ import annotations
@@ -27,6 +27,29 @@ def backward(session: Any, original: Callable) -> Callable:
     return backward
 
 
+def install_clip(session: Any) -> list[Callable]:
+    """Wrap clip_grad_norm_ (under both names a script imports it by) and, on torch >= 2.6,
+    clip_grads_with_norm_; the undo of each. torch's clip_grad_norm_ calls the module's private copy of
+    clip_grads_with_norm_, so one clip is never seen twice."""
+    import functools
+
+    import torch
+    import torch.nn.utils.clip_grad as clip_module
+
+    undo: list[Callable] = []
+    clip = clip_grad_norm_(session, clip_module.clip_grad_norm_)
+    for owner in (clip_module, torch.nn.utils):
+        original = owner.clip_grad_norm_
+        owner.clip_grad_norm_ = functools.wraps(original)(clip)
+        undo.append(functools.partial(setattr, owner, "clip_grad_norm_", original))
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        original = torch.nn.utils.clip_grads_with_norm_
+        wrapper = clip_grads_with_norm_(session, original)
+        torch.nn.utils.clip_grads_with_norm_ = functools.wraps(original)(wrapper)
+        undo.append(functools.partial(setattr, torch.nn.utils, "clip_grads_with_norm_", original))
+    return undo
+
+
 def clip_grad_norm_(session: Any, original: Callable) -> Callable:
     def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
         total = original(*args, **kwargs)
@@ -35,6 +58,21 @@ def clip_grad_norm_(session: Any, original: Callable) -> Callable:
         return total
 
     return clip_grad_norm_
+
+
+def clip_grads_with_norm_(session: Any, original: Callable) -> Callable:
+    """`torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)`: the clip of a norm taken
+    apart (torch ≥ 2.6), which accelerate ≥ 1.16 (so HF Trainer) uses instead of clip_grad_norm_; the
+    norm it is handed is the pre-clip total norm, as clip_grad_norm_ returns it."""
+
+    def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        max_norm = kwargs.get("max_norm", args[1] if len(args) > 1 else None)
+        total = kwargs.get("total_norm", args[2] if len(args) > 2 else None)
+        session._guarded(session._on_clip, total, max_norm)
+        return result
+
+    return clip_grads_with_norm_
 
 
 def scale(session: Any, original: Callable) -> Callable:

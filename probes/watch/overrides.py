@@ -8,7 +8,8 @@ with that value written in its source:
         loader the script builds; num_workers = 0 also drops prefetch_factor, persistent_workers and
         multiprocessing_context, which DataLoader refuses without workers)
     precision.init_scale / growth_interval       torch.amp.GradScaler.__init__ (torch.cuda.amp's too)
-    optim.clip_max_norm                          the max_norm clip_grad_norm_ is called with
+    optim.clip_max_norm                          the max_norm clip_grad_norm_ (or clip_grads_with_norm_,
+        accelerate's and so HF Trainer's way to clip) is called with
     distributed.timeout_s                        init_process_group(timeout=...)
     distributed.env.NAME  (NCCL_*, TORCH_*, GLOO_*, PYTORCH_CUDA_ALLOC_CONF)   os.environ, set before the
         script runs, so before its process group exists
@@ -66,7 +67,7 @@ KEYS: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
 WHAT_IS_MISSING = {
     "DataLoader": "the script built no torch DataLoader",
     "GradScaler": "the script built no enabled GradScaler (it does not train in fp16 with loss scaling)",
-    "clip_grad_norm_": "the script never called clip_grad_norm_",
+    "clip_grad_norm_": "the script never called clip_grad_norm_ (or clip_grads_with_norm_)",
     "init_process_group": "the script created no process group (init_process_group)",
 }
 
@@ -275,6 +276,17 @@ def _hook_clip(state: Overrides) -> None:
             wrapped[id(original)] = functools.wraps(original)(make(original))
         owner.clip_grad_norm_ = wrapped[id(original)]
         state.undo.append(functools.partial(setattr, owner, "clip_grad_norm_", original))
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6: the clip of a norm taken apart
+        with_norm = torch.nn.utils.clip_grads_with_norm_
+        with_signature = inspect.signature(with_norm)
+
+        def clip_grads_with_norm_(*args: Any, **kwargs: Any) -> Any:
+            bound = with_signature.bind(*args, **kwargs)
+            _take(state, "optim.clip_max_norm", bound, "max_norm", None)
+            return with_norm(*bound.args, **bound.kwargs)
+
+        torch.nn.utils.clip_grads_with_norm_ = functools.wraps(with_norm)(clip_grads_with_norm_)
+        state.undo.append(functools.partial(setattr, torch.nn.utils, "clip_grads_with_norm_", with_norm))
 
 
 def _hook_process_group(state: Overrides) -> None:

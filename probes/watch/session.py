@@ -7,7 +7,8 @@ PyTorch training loop already calls, so the user's script stays as it is:
   for a GradScaler-scaled loss, the unscaled tensor that was handed to `scaler.scale`. The backward calls
   since the last optimizer step (a "backward group") belong to the next optimizer that steps; a second
   optimizer that steps on the same gradients (no backward in between) gets the same group.
-- `torch.nn.utils.clip_grad_norm_`: the total norm it returns and `max_norm`; a script that does not clip
+- `torch.nn.utils.clip_grad_norm_`: the total norm it returns and `max_norm` (and the same two from
+  `torch.nn.utils.clip_grads_with_norm_`, through which accelerate ≥ 1.16 clips); a script that does not clip
   gets the norm computed from the gradients the step uses (`get_total_norm`): before the step, or, for
   `optimizer.step(closure)` (Lightning, LBFGS), right after the closure's first evaluation ran backward.
 - torch.optim's global optimizer step pre/post hooks: the step boundary and the LR. A closure's later
@@ -303,7 +304,6 @@ class WatchSession(StepRecords):
         self._undo.append(lambda: setattr(owner, name, original))
 
     def _install(self) -> None:
-        import torch.nn.utils.clip_grad as clip_module
         from torch.amp.grad_scaler import GradScaler
         from torch.nn.parallel import DistributedDataParallel
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -311,11 +311,7 @@ class WatchSession(StepRecords):
         session = self
 
         self._patch(torch.autograd, "backward", functools.partial(watch_hooks.backward, session))
-        clip = watch_hooks.clip_grad_norm_(session, clip_module.clip_grad_norm_)
-        for owner in (clip_module, torch.nn.utils):
-            original = owner.clip_grad_norm_
-            owner.clip_grad_norm_ = functools.wraps(original)(clip)
-            self._undo.append(functools.partial(setattr, owner, "clip_grad_norm_", original))
+        self._undo += watch_hooks.install_clip(session)
         self._patch(GradScaler, "scale", functools.partial(watch_hooks.scale, session))
         self._patch(GradScaler, "step", functools.partial(watch_hooks.scaler_step, session))
         self._patch(GradScaler, "update", functools.partial(watch_hooks.scaler_update, session))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TextIO
 
 from ciuic_doctor.findings import Finding
 
@@ -56,3 +57,36 @@ def terminal(text: object) -> str:
         ch if ord(ch) not in _UNSAFE else (f"\\x{ord(ch):02x}" if ord(ch) < 0x100 else f"\\u{ord(ch):04x}")
         for ch in text
     )
+
+
+class StageLine:
+    """One status line on a terminal, rewritten in place as a long command moves from stage to stage
+    ("report: analysing memory (4/9) · 35 s"), cleared by `done`. Where `stream` is not a terminal it
+    writes nothing: a log or a pipe gets only the command's own output.
+
+    >>> import io
+    >>> line = StageLine("report", io.StringIO())
+    >>> line("analysing steps (1/2)")  # not a terminal: nothing is written
+    >>> line.stream.getvalue()
+    ''
+    """
+
+    def __init__(self, command: str, stream: TextIO) -> None:
+        import time
+
+        self.command, self.stream = command, stream
+        self.enabled = stream.isatty()
+        self._start = time.monotonic()
+
+    def __call__(self, stage: str) -> None:
+        import time
+
+        if self.enabled:
+            elapsed = time.monotonic() - self._start
+            self.stream.write(f"\r\x1b[K{self.command}: {terminal(stage)} · {elapsed:.0f} s")
+            self.stream.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()

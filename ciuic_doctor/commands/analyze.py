@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ciuic_doctor.cli_args import positive_float
 
@@ -30,14 +31,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.analysis import run_all
     from ciuic_doctor.findings import overall_verdict
-    from ciuic_doctor.render_text import findings_table
+    from ciuic_doctor.render_text import StageLine, findings_table
     from ciuic_doctor.store import RunDir
 
     run_dir = RunDir.open(args.run)
     run_dir.claim_outputs()
     if args.peak_tflops:
         run_dir.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "analyze --peak-tflops"})
-    findings = run_all(run_dir)
+    stage = StageLine("analyze", sys.stderr)  # on a terminal: which analysis is running
+    try:
+        findings = run_all(run_dir, stage)
+    finally:
+        stage.done()
     if args.json:
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:

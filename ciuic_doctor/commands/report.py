@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
     import time
 
+    from ciuic_doctor.render_text import StageLine
     from ciuic_doctor.report import build_report
     from ciuic_doctor.store import RunDir
 
@@ -46,13 +48,19 @@ def run(args: argparse.Namespace) -> int:
     baseline = RunDir.open(args.baseline) if args.baseline else None
     run_dir = RunDir.open(args.run)
     run_dir.claim_outputs()  # a folder of the user's own *.jsonl keeps its own summary.md
-    result = build_report(
-        run_dir,
-        spec_path=args.spec,
-        analyze=True if args.reanalyze else None,
-        baseline=baseline,
-        include_unverified=args.include_unverified,
-    )
+    # a 10,000-rank run takes about two minutes: a terminal sees which stage it is in
+    stage = StageLine("report", sys.stderr)
+    try:
+        result = build_report(
+            run_dir,
+            spec_path=args.spec,
+            analyze=True if args.reanalyze else None,
+            baseline=baseline,
+            include_unverified=args.include_unverified,
+            progress=stage,
+        )
+    finally:
+        stage.done()
     if not args.quiet:
         print(result.summary)
     took = time.perf_counter() - start

@@ -12,6 +12,7 @@ secret values from every byte).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -87,12 +88,14 @@ def build_report(
     analyze: bool | None = None,
     baseline: RunDir | None = None,
     include_unverified: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> ReportResult:
     """Analyse (always with analyze=True, never with False, else when needed), recommend, check the seed
     tips, and write every output file; with `baseline`, add the comparison section (and comparison.json).
 
     Issue 21: RUN/verification.json (`ciuic-doctor verify`) gives each change a status; the files carry
-    only changes that help or are facts, `include_unverified` adds the rest as comments."""
+    only changes that help or are facts, `include_unverified` adds the rest as comments. `progress` is
+    told each stage as it starts (each analysis, then the page)."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
     from ciuic_doctor.report import files, html, imported, plots, sections
@@ -104,7 +107,7 @@ def build_report(
     spec = resolved.spec
     result = ReportResult()
     if analyze or (analyze is None and needs_analysis(run)):
-        findings = run_all(run)
+        findings = run_all(run, progress)
         result.analysed = True
     else:
         findings = load_findings(run)
@@ -114,6 +117,8 @@ def build_report(
     verification = verified.load(run)  # issue 21: what `verify` found, change by change
     plan = verified.apply(plan, verification)
     file_plan, unverified = verified.for_files(plan)
+    if progress is not None:
+        progress("building the page")
     streams = sections.load_streams(run)
     steps = streams.get("steps") or []
     first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)

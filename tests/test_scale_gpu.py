@@ -216,3 +216,23 @@ def test_blocks_of_ranks_convert_only_their_own_rows(judged, monkeypatch):
     series = fits.series(leak)
     assert len(series.x) > 100
     assert series.source == "memwatch"
+
+
+def test_the_memory_analysis_lets_its_data_go_without_the_cycle_collector(judged, monkeypatch):
+    """Joined fits make a rank's series again from `data` (RankFits.remake): the memory analysis's columns
+    must be freed when it returns, not when Python's cycle collector next runs (an analysis later)."""
+    import gc
+
+    from ciuic_doctor.analysis import _memory_blocks, _memory_data, memory
+
+    path, _ = judged
+    monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)
+    run = RunDir.open(path)
+    gc.collect()
+    gc.disable()
+    try:
+        memory.analyze(run)
+        alive = sum(isinstance(o, _memory_data._Data) for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0

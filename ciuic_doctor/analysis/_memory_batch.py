@@ -235,8 +235,9 @@ def fits_in_blocks(data: _Data, make: Callable[[Any], RankFits]) -> RankFits:
     then made again from that rank's rows alone when asked (the same series: every rule is per rank,
     tests/test_scale_gpu.py checks each one against one block's)."""
     fits = in_blocks(data, make, join_fits)
-    if fits.points is None:
-        fits.remake = lambda i: make(_DataBlock(data, [fits.ranks[i]]))
+    if fits.points is None:  # `ranks`, not `fits`: a closure over fits would keep `data` in a cycle
+        ranks = fits.ranks
+        fits.remake = lambda i: make(_DataBlock(data, [ranks[i]]))
     return fits
 
 

@@ -34,7 +34,8 @@ def non_pytorch_fits(data: _Data) -> NonPytorch:
     ranks at a time, `_memory_blocks`)."""
     batch = in_blocks(data, _non_pytorch_fits, _join_non_pytorch)
     if batch.fits.points is None:  # joined: a rank's series is made again from its rows alone
-        batch.fits.remake = lambda i: _non_pytorch_fits(_DataBlock(data, [batch.fits.ranks[i]])).fits
+        ranks = batch.fits.ranks  # not `batch`: a closure over it would keep `data` in a cycle
+        batch.fits.remake = lambda i: _non_pytorch_fits(_DataBlock(data, [ranks[i]])).fits
     return batch
 
 

@@ -25,8 +25,9 @@ NUMERIC = ("t", "rss", "anon", "uss", "pss", "gpu_bytes", "gpu_total_bytes", "sy
 
 
 class LazyColumns(dict):
-    """name -> float64 numpy column, made by `convert` on first read: at 10,000 ranks each is 80 MB, and
-    the checks read about half of what they might."""
+    """name -> the whole job's float64 numpy column, made by `convert` on first read (80 MB each at
+    10,000 ranks × 1,000 steps): what `flat` gives a run of at most one block of ranks; a bigger run's
+    blocks convert only their own rows (`_memory_blocks`)."""
 
     def __init__(self, names: tuple[str, ...], convert: Any) -> None:
         super().__init__()

@@ -222,17 +222,25 @@ def test_the_memory_analysis_lets_its_data_go_without_the_cycle_collector(judged
     """Joined fits make a rank's series again from `data` (RankFits.remake): the memory analysis's columns
     must be freed when it returns, not when Python's cycle collector next runs (an analysis later)."""
     import gc
+    import weakref
 
     from ciuic_doctor.analysis import _memory_blocks, _memory_data, memory
 
     path, _ = judged
     monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)
-    run = RunDir.open(path)
+    made: list[weakref.ref] = []
+
+    def data_of(run):
+        data = _memory_data._Data(run)
+        made.append(weakref.ref(data))
+        return data
+
+    monkeypatch.setattr(memory, "_Data", data_of)
     gc.collect()
     gc.disable()
     try:
-        memory.analyze(run)
-        alive = sum(isinstance(o, _memory_data._Data) for o in gc.get_objects())
+        memory.analyze(RunDir.open(path))
+        alive = [ref() is not None for ref in made]
     finally:
         gc.enable()
-    assert alive == 0
+    assert alive == [False]

@@ -63,7 +63,9 @@ JOB = textwrap.dedent(
             time.sleep(60)
             os._exit(0)
         ready(reader, doomed)
-        rng = random.Random(1)
+        # unseeded: with a fixed seed every run replayed one series, sampled in step with this loop, and
+        # under load its samples drifted up (Mann-Kendall z 3.25 of the leak rule's 3 on a loaded run)
+        rng = random.Random()
         while True:
             noise = b"n" * rng.randrange(0, 32 * MIB)
             try:
@@ -247,7 +249,8 @@ def test_growing_rank_slope_found_within_10_percent(job_findings):
 
 def test_flat_noisy_rank_is_not_a_leak(job_findings):
     leak = next(f for f in job_findings if f["check"] == "memory_leak" and f["evidence"]["kind"] == "host")
-    assert leak["where"]["ranks"] == [0]  # one finding for the job, naming the growing rank only
+    # one finding for the job, naming the growing rank only (on failure: each named rank's slope and R²)
+    assert leak["where"]["ranks"] == [0], leak["evidence"]["ranks"]
     assert leak["evidence"]["ranks_checked"] >= 2
 
 

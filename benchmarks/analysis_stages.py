@@ -78,7 +78,7 @@ def main() -> int:
         return 2
 
     from ciuic_doctor import analysis
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     run = RunDir.open(args.run)
     run.read_meta()
@@ -87,10 +87,13 @@ def main() -> int:
         f"{'stage':16s} {'before':>8} {'peak':>8} {'rise':>8} {'after':>8} {'wall s':>8} {'CPU s':>8}  (MiB)"
     )
     if args.memory_parts:
-        from ciuic_doctor.analysis import _memory_cuda, _memory_data, _memory_leaks, _memory_workers
-        from ciuic_doctor.analysis._memory_columns import MemwatchColumns
-        from ciuic_doctor.analysis._memory_steps import StepColumns
-        from ciuic_doctor.frames import read_stream
+        from ciuic_doctor.analysis.memory import cuda as _memory_cuda
+        from ciuic_doctor.analysis.memory import data as _memory_data
+        from ciuic_doctor.analysis.memory import leaks as _memory_leaks
+        from ciuic_doctor.analysis.memory import workers as _memory_workers
+        from ciuic_doctor.analysis.memory.columns import MemwatchColumns
+        from ciuic_doctor.analysis.memory.steps import StepColumns
+        from ciuic_doctor.rundir.frames import read_stream
 
         if run.has_stream("memwatch"):
             stage(sampler, "read memwatch", lambda: read_stream(run, "memwatch", MemwatchColumns.COLUMNS))

@@ -25,7 +25,7 @@ COLUMNS = ("rank", "step", "t", "host", "step_time_s", "pre_backward_s", "rss")
 
 
 def with_pyarrow(files: list[Path]) -> int:
-    from ciuic_doctor.frames import read_table
+    from ciuic_doctor.rundir.frames import read_table
 
     return read_table(files, COLUMNS).table.num_rows
 
@@ -64,13 +64,13 @@ def with_duckdb(files: list[Path]) -> int:
 
 
 def with_rows(files: list[Path]) -> int:
-    from ciuic_doctor.store import read_jsonl
+    from ciuic_doctor.rundir.store import read_jsonl
 
     return sum(len(read_jsonl(f).records) for f in files)
 
 
 ENGINES: dict[str, Callable[[list[Path]], int]] = {
-    "pyarrow.json (ciuic_doctor.frames)": with_pyarrow,
+    "pyarrow.json (ciuic_doctor.rundir.frames)": with_pyarrow,
     "polars scan_ndjson": with_polars,
     "duckdb read_json": with_duckdb,
     "store.read_jsonl (json.loads)": with_rows,

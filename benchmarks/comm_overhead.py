@@ -37,7 +37,7 @@ def worker(rounds: int, iters: int) -> None:
     import torch.distributed as dist
 
     from ciuic_doctor.launch import init_distributed
-    from ciuic_doctor.nccl import busbw_factor
+    from ciuic_doctor.machine.nccl import busbw_factor
     from ciuic_doctor.probes.comm.collectives import allocate, shape
     from ciuic_doctor.probes.comm.faults import Watch, default_store
     from ciuic_doctor.probes.comm.measure import Marks, Timing, aggregate, measure_row
@@ -155,7 +155,7 @@ def main() -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="measure the busbw ratio only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    from ciuic_doctor.nccl import busbw_factor
+    from ciuic_doctor.machine.nccl import busbw_factor
 
     if args.worker:
         worker(args.rounds, args.iters)

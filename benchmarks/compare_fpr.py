@@ -104,7 +104,7 @@ def autoregressive(pairs: int, length: int) -> None:
 def fresh_runs(runs: int, steps: int) -> None:
     print(f"3. {runs} fresh same-settings jobs of {steps} steps, two at a time; each pair compared")
     from ciuic_doctor.compare import compare_runs
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     root = Path(tempfile.mkdtemp(prefix="compare-fpr-"))
     flagged = []

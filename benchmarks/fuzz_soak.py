@@ -46,8 +46,8 @@ def main() -> int:
 
     from ciuic_doctor.analysis import run_all
     from ciuic_doctor.report import build_report
-    from ciuic_doctor.schemas import SCHEMAS
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.schemas import SCHEMAS
+    from ciuic_doctor.rundir.store import RunDir
 
     cases: list[list[tuple]] = []
     for name, rows in () if args.no_sweep else fuzzkit.BASE.items():

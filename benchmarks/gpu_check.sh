@@ -59,7 +59,7 @@ $PY - "$RUNS" >>"$SUMMARY" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 runs = Path(sys.argv[1])
 def filled(run: str, stream: str, fields: list[str]) -> None:

@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 from ciuic_doctor.analysis.hang import judge
-from ciuic_doctor.hang_files import load
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.hang.files import load
+from ciuic_doctor.rundir.store import RunDir
 
 _JUDGEMENT = re.compile(
     r"Not all ranks|missing ranks|sequence number|^collective:|input sizes|Culprit|[Mm]ismatch|cannot decide"

@@ -28,7 +28,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from ciuic_doctor.probes.watch.hang import HangConfig, HangWatchdog, fr_status
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     scratch = Path(tempfile.mkdtemp())
     dist.init_process_group("gloo", init_method=f"file://{scratch / 'store'}", rank=0, world_size=1)

@@ -26,11 +26,11 @@ from pathlib import Path
 
 from ciuic_doctor.analysis.loader import Pooled, choose, last_sweep, pool
 from ciuic_doctor.commands.loader_sweep import parse_int_list
-from ciuic_doctor.envinfo import cpu_budget
+from ciuic_doctor.machine.envinfo import cpu_budget
 from ciuic_doctor.probes.loader.datasets import SyntheticDataset
 from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
 from ciuic_doctor.probes.loader.sweep import Sweep, SweepSettings
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 HEAD_TO_HEAD_PAIRS = 6  # alternating windows: a drifting load hits both alike
 

@@ -42,7 +42,7 @@ def main() -> int:
     from ciuic_doctor.jobs.spec import load_spec, with_updates
     from ciuic_doctor.jobs.train import Trainer, setup_distributed
     from ciuic_doctor.probes.watch.session import WatchConfig, attach
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     total = args.warmup + len(MODES) * args.rounds * args.block
     spec = with_updates(

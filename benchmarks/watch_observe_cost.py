@@ -20,7 +20,7 @@ def main(rounds: int = 10, steps: int = 2000) -> None:
     import torch
 
     from ciuic_doctor.probes.watch import observe as watch_observe
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

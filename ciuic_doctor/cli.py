@@ -91,7 +91,7 @@ def _prepare_out(args: argparse.Namespace) -> None:
         return
     from pathlib import Path
 
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     if Path(out).exists() or args.force:  # a missing folder is made by the command, once it runs
         RunDir.create(out, force=args.force, force_option=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.errors import ProbeFailed, UserError
-from ciuic_doctor.store import RUN_DIR_ENV
+from ciuic_doctor.rundir.store import RUN_DIR_ENV
 
 # torch.distributed's default process-group timeout: 10 min for NCCL, 30 min for every other backend
 # (reference/collectives.md). A spec's 30 s is a big reduction from either, not an increase.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TextIO
 
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.rundir.findings import Finding
 
 _MARK = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "not_run": "----"}
 

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.store import RunDir, default_run_path
+from ciuic_doctor.rundir.store import RunDir, default_run_path
 
 if TYPE_CHECKING:
     from ciuic_doctor.probes.watch.session import WatchSession

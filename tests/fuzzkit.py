@@ -11,8 +11,8 @@ import random
 import shutil
 from pathlib import Path
 
-from ciuic_doctor.schemas import SCHEMAS, stream_of, validate
-from ciuic_doctor.store import RunDir, dumps
+from ciuic_doctor.rundir.schemas import SCHEMAS, stream_of, validate
+from ciuic_doctor.rundir.store import RunDir, dumps
 
 DATA = Path(__file__).parent / "data"
 KEEP_PER_FILE = 12  # records kept per stream file: enough for every analysis to judge, fast to re-run

@@ -371,7 +371,7 @@ def lightning_csv(run: Run, *, every: int = 10, suffix: bool = True, val_every: 
 
 def write_ours(run_dir, run: Run, *, ranks: int = 2, clip_max_norm: float | None = 1.0, precision="fp16"):
     """The watch probe's steps stream for `run` on `ranks` ranks (per-rank files) plus meta.json."""
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     out = RunDir.create(run_dir)
     job: dict = {"precision": {"mode": precision}}

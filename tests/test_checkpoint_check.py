@@ -17,7 +17,7 @@ from conftest import run_cli, torchrun
 
 from ciuic_doctor.analysis.checkpoint import analyze
 from ciuic_doctor.report import build_report
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 FP16_SPEC = """
 [precision]
@@ -227,7 +227,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, words):
     [
         "ciuic_doctor.probes.checkpoint.options",
         "ciuic_doctor.probes.checkpoint.inspection",
-        "ciuic_doctor.analysis._checkpoint_resume",
+        "ciuic_doctor.analysis.checkpoint.resume",
     ],
 )
 def test_docstring_examples(name):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ciuic_doctor.analysis.checkpoint import DCP_HINT, analyze_records, summary_lines
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.rundir.findings import Finding
 
 GIB = 1 << 30
 

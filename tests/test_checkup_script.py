@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 from tests.conftest import run_cli
 
 SCRIPTS = Path(__file__).parent / "data" / "user_scripts"

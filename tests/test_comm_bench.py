@@ -17,8 +17,8 @@ import pytest
 from conftest import run_cli, torchrun
 
 from ciuic_doctor.analysis import comm as comm_analysis
-from ciuic_doctor.nccl import COLLECTIVES, busbw_factor
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.machine.nccl import COLLECTIVES, busbw_factor
+from ciuic_doctor.rundir.store import RunDir
 
 DATA = Path(__file__).parent / "data"
 QUICK = ("-b", "1K", "-e", "16K", "-f", "4", "--iters", "3", "--warmup", "1")

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor import frames
 from ciuic_doctor.analysis import run_all
-from ciuic_doctor.parquet_store import fresh_parquet, parquet_records
-from ciuic_doctor.store import RunDir, read_jsonl
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.parquet_store import fresh_parquet, parquet_records
+from ciuic_doctor.rundir.store import RunDir, read_jsonl
 from tests.conftest import run_cli
 
 DATA = Path(__file__).parent / "data" / "report_gpu"

@@ -108,7 +108,7 @@ def test_peak_table_knows_h200_from_h20_and_says_why_when_it_does_not_know():
 
 # ---- the findings on constructed records ----------------------------------------------------------
 def _run_dir(tmp_path, *, device=None, peak=None, tokens=512):
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     run = RunDir.create(tmp_path / "run")
     tiny = {**DEEPSEEK_V3, "hidden_size": 128, "num_hidden_layers": 4, "first_k_dense_replace": 1}

@@ -13,10 +13,10 @@ import textwrap
 import pytest
 from conftest import run_cli
 
-from ciuic_doctor import envinfo
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.machine import envinfo
+from ciuic_doctor.rundir.findings import Finding, overall_verdict, sort_findings
+from ciuic_doctor.rundir.store import RunDir, as_float
 from ciuic_doctor.units import format_bytes, parse_size
 
 
@@ -41,7 +41,7 @@ def test_format_bytes():
 
 def test_stream_roundtrip_and_torn_last_line(tmp_path):
     run = RunDir.create(tmp_path / "r")
-    # A stream without a schema (ciuic_doctor.schemas): any JSON object is a record.
+    # A stream without a schema (ciuic_doctor.rundir.schemas): any JSON object is a record.
     with run.writer("probe_x", rank=0) as w:
         for i in range(3):
             w.write({"i": i, "x": float("nan")})
@@ -65,7 +65,7 @@ def test_non_finite_values_of_every_kind_are_stored_as_strings():
     import numpy as np
     import torch
 
-    from ciuic_doctor.store import dumps
+    from ciuic_doctor.rundir.store import dumps
 
     record = {"a": float("nan"), "b": [float("inf")], "c": np.float32("nan"), "d": torch.tensor(-math.inf)}
     assert json.loads(dumps(record)) == {"a": "nan", "b": ["inf"], "c": "nan", "d": "-inf"}
@@ -84,7 +84,7 @@ def test_records_survive_sigkill_of_the_writer(tmp_path):
     """A writer killed with SIGKILL mid-stream keeps every record it wrote: no buffering."""
     script = textwrap.dedent(f"""
         import time
-        from ciuic_doctor.store import RunDir
+        from ciuic_doctor.rundir.store import RunDir
         w = RunDir.create({str(tmp_path / "r")!r}).writer("steps")
         for i in range(10**6):
             w.write({{"step": i}})

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuic_doctor import frames, frames_assemble
-from ciuic_doctor.frames_assemble import Assembler
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.frames import assemble as frames_assemble
+from ciuic_doctor.rundir.frames.assemble import Assembler
 
 SCHEMA = pa.schema(
     [
@@ -120,7 +121,7 @@ def test_a_part_with_other_columns_is_refused():
 
 
 def test_read_stream_gives_readers_plain_strings_from_an_encoded_cache(tmp_path):
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     for rank in range(3):
         lines = [f'{{"rank":{rank},"step":{s},"host":"node-{rank % 2}","t":{s}.0}}' for s in range(5)]

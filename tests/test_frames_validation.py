@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from ciuic_doctor import frames
-from ciuic_doctor.schemas import SCHEMAS
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.schemas import SCHEMAS
+from ciuic_doctor.rundir.store import RunDir
 from tests import fuzzkit, scalesynth
 
 STREAMS = ("steps", "memwatch", "memwatch_events", "checkpoint", "comm", "loader")
@@ -151,7 +151,7 @@ def test_a_clean_gpu_run_is_validated_column_wise(tmp_path, monkeypatch):
 def small_pieces(monkeypatch):
     """Every file over 2 KiB cut in ~300-byte pieces (a 10,000-rank memwatch.jsonl: 4.4 GB in 32 MiB
     pieces); the pieces parsed are counted, so a test sees the piecewise path was taken."""
-    from ciuic_doctor import frames_parts
+    from ciuic_doctor.rundir.frames import parts as frames_parts
 
     monkeypatch.setattr(frames_parts, "BIG_FILE_BYTES", 2048)
     monkeypatch.setattr(frames_parts, "RANGE_BYTES", 300)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ciuic_doctor.analysis import run_all
 from ciuic_doctor.report import build_report
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 FUZZ_EXAMPLES = 100  # analyze: ~0.08 s each alone, 1 s under load; benchmarks/fuzz_soak.py runs thousands
 REPORT_EXAMPLES = 4  # report renders every plot: ~1 s each alone, 15 s under load

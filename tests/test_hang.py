@@ -20,8 +20,8 @@ import pytest
 from conftest import run_cli
 
 from ciuic_doctor.analysis.hang import _expected, judge
-from ciuic_doctor.hang_files import HangFiles, load, parse_faulthandler, py_spy_binary
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.hang.files import HangFiles, load, parse_faulthandler, py_spy_binary
+from ciuic_doctor.rundir.store import RunDir
 
 JOB = Path(__file__).parent / "data" / "hang_job.py"
 PG_TIMEOUT_S = 4
@@ -259,8 +259,8 @@ def test_usage_errors_are_one_line(tmp_path):
 
 
 def test_report_has_a_hang_section_only_when_the_job_hung(tmp_path):
-    from ciuic_doctor.findings import Finding
     from ciuic_doctor.report.sections import build_sections
+    from ciuic_doctor.rundir.findings import Finding
 
     row = {"rank": 1, "host": "h<1>", "source": "watchdog", "state": "running", "in_collective": False,
            "frame": "load_batch at train.py:88"}  # fmt: skip
@@ -276,7 +276,7 @@ def test_report_has_a_hang_section_only_when_the_job_hung(tmp_path):
 
 
 def test_has_hang_dumps_ignores_an_armed_quiet_watchdog(tmp_path):
-    from ciuic_doctor.hang_files import has_hang_dumps
+    from ciuic_doctor.rundir.hang.files import has_hang_dumps
 
     (tmp_path / "hang.rank0.armed.json").write_text("{}")
     (tmp_path / "hang.rank0.fatal.txt").write_text("")

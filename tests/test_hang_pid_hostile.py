@@ -24,7 +24,7 @@ import pytest
 from conftest import run_cli
 from test_hang import _kill_tree, _launch
 
-from ciuic_doctor.hang_files import py_spy_binary
+from ciuic_doctor.rundir.hang.files import py_spy_binary
 
 USER = "ciuic-hang-other"
 

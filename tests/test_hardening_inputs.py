@@ -12,7 +12,7 @@ import pytest
 from ciuic_doctor import cli_args as _common
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.spec import load_spec, with_updates
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 
 def in_process(capsys, *argv: str):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from ciuic_doctor.analysis import memory
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 MIB = 2**20
 

@@ -21,10 +21,11 @@ from conftest import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ciuic_doctor import fr_dump, safe_io
 from ciuic_doctor.analysis.hang import judge
-from ciuic_doctor.hang_files import load
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir import safe_io
+from ciuic_doctor.rundir.hang import flight_recorder as fr_dump
+from ciuic_doctor.rundir.hang.files import load
+from ciuic_doctor.rundir.store import RunDir
 
 
 class _Payload:

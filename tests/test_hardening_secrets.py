@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor import envinfo
-from ciuic_doctor.findings import Recommendation
 from ciuic_doctor.jobs.spec import load_spec
+from ciuic_doctor.machine import envinfo
 from ciuic_doctor.recommend import Plan
 from ciuic_doctor.report import files
+from ciuic_doctor.rundir.findings import Recommendation
 
 SPEC_TOKEN = 'hf_SpecEnv"quo\\te-é-1'
 SPEC_KEY = "wandb-SpecKey-7788"
@@ -85,7 +85,7 @@ def test_no_secret_reaches_any_file_of_the_run(tmp_path, cli):
     assert reported.returncode in (0, 1), reported.stderr
     # What a probe records of its command line (watch's argv at start, kept after kill -9) goes through
     # the same store: record one here, as it would.
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     hostile_argv = [
         str(script),

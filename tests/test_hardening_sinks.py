@@ -21,7 +21,7 @@ import pytest
 from conftest import run_cli
 
 from ciuic_doctor.render_text import table, terminal
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 EVIL_FILE = "train\x1b]0;owned\x07.py"
 EVIL_FUNCTION = "load<img src=x onerror=alert(1)>[click](http://evil.example)\x1b[2J"

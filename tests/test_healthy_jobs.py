@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ciuic_doctor.analysis.hang import user_frame
-from ciuic_doctor.observed import merge_ranks
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.jobs.observed import merge_ranks
+from ciuic_doctor.rundir.store import RunDir
 from tests.conftest import run_cli
 
 TIMEOUT_S = 240  # seconds alone; generous for a loaded 2-core machine

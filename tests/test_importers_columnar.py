@@ -16,7 +16,6 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor import frames
 from ciuic_doctor.analysis.stability import analyze_log
 from ciuic_doctor.importers import (
     intervals,
@@ -26,7 +25,8 @@ from ciuic_doctor.importers import (
     rank_intervals,
 )
 from ciuic_doctor.importers._table import _grouped_intervals
-from ciuic_doctor.store import RunDir, dumps
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.store import RunDir, dumps
 from tests import scalesynth
 
 FACTS = (

@@ -62,7 +62,7 @@ def test_sigterm_of_compact_exits_143_leaves_no_tmp_and_the_run_intact(tmp_path)
     assert not [name for name in left if name.endswith(".tmp")], left
     assert len(list(run.glob("*.parquet"))) < RANKS  # the files not started were left alone
     assert {p.name: p.read_bytes() for p in run.glob("*.jsonl")} == before
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     read = RunDir.open(run).read("steps")  # Parquet where it was finished, JSONL elsewhere
     assert len(read.records) == RANKS * STEPS

@@ -20,7 +20,7 @@ from conftest import run_cli
 from ciuic_doctor.cli import main
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.inject import parse_injections
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.rundir.store import RunDir, as_float
 
 FAST = ("--set", "dataloader.num_workers=0", "--set", "checkpoint.every_steps=0")
 

@@ -84,7 +84,7 @@ def area(module: str) -> str:
 def test_the_source_tree_is_found():
     assert "ciuic_doctor.probes.watch.session" in MODULES
     assert "ciuic_doctor.analysis.memory" in MODULES
-    assert "ciuic_doctor.store" in GRAPH["ciuic_doctor.analysis.memory"] | {
+    assert "ciuic_doctor.rundir.store" in GRAPH["ciuic_doctor.analysis.memory"] | {
         m for dep in GRAPH["ciuic_doctor.analysis.memory"] for m in GRAPH[dep]
     }
 

@@ -340,7 +340,7 @@ def test_top_in_tmux_sorts_shows_stacks_and_quits(job, tmp_path: Path) -> None:
         seen = wait_for("sort by rank", lambda: "sort: rank" in (p := _pane(session)) and p, timeout_s=30)
         frames.write_text(seen)
         subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
-        from ciuic_doctor.hang_files import py_spy_binary
+        from ciuic_doctor.rundir.hang.files import py_spy_binary
 
         if py_spy_binary() is None:  # the view still comes, and says why it has no stacks
             stacks = wait_for(

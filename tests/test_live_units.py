@@ -26,7 +26,7 @@ from ciuic_doctor.live.verdicts import (
     stragglers,
 )
 from ciuic_doctor.live.view import Frame, Row
-from ciuic_doctor.nvml import Nvml
+from ciuic_doctor.machine.nvml import Nvml
 
 
 def _line(step: int, **fields) -> str:
@@ -371,7 +371,7 @@ def test_a_rank_gets_the_gpu_nvml_lists_its_pid_on_and_the_endpoint_labels_it() 
 
     from ciuic_doctor.live.metrics import ExportConfig, Sampled
     from ciuic_doctor.live.view import LiveJob
-    from ciuic_doctor.nvml import ProcessGpuMemory
+    from ciuic_doctor.machine.nvml import ProcessGpuMemory
 
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)

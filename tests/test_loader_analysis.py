@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ciuic_doctor.analysis import loader, run_all
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 SWEEP = "s1"
 BATCH = 8

@@ -19,12 +19,12 @@ import torch
 from conftest import REPO, run_cli
 from torch.utils.data import Dataset, get_worker_info
 
-from ciuic_doctor.analysis import _loader_checks
+from ciuic_doctor.analysis.loader import checks as _loader_checks
 from ciuic_doctor.cli import main
-from ciuic_doctor.envinfo import cpu_budget
+from ciuic_doctor.machine.envinfo import cpu_budget
 from ciuic_doctor.probes.loader.datasets import SyntheticDataset
 from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 TESTS = str(REPO / "tests")
 PID_FILE_ENV = "LOADER_TEST_PID_FILE"

@@ -14,9 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuic_doctor.analysis import _memory_data, _trend, memory
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.analysis import memory
+from ciuic_doctor.analysis.memory import data as _memory_data
+from ciuic_doctor.analysis.stats import trend as _trend
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import RunDir
 from tests.conftest import run_cli
 
 DATA = Path(__file__).parent / "data"

@@ -328,17 +328,17 @@ def _watch_as_nobody(target_pid: int, out: Path) -> tuple[int, str]:
     read root's Python), and return its exit code and stderr."""
     import ciuic_doctor.cli
     import ciuic_doctor.commands.memwatch
-    import ciuic_doctor.envinfo
     import ciuic_doctor.launch
-    import ciuic_doctor.nvml
+    import ciuic_doctor.machine.envinfo
+    import ciuic_doctor.machine.nvml
     import ciuic_doctor.probes.memwatch.sampler
     import ciuic_doctor.render_text
 
     # the parser imports every command's module (the job command's imports statistics): run alone, this
     # file's child found none of them imported by other tests, and nobody cannot read root's stdlib
     ciuic_doctor.cli.build_parser()
-    ciuic_doctor.nvml.get()
-    ciuic_doctor.envinfo.capture(with_torch=False)
+    ciuic_doctor.machine.nvml.get()
+    ciuic_doctor.machine.envinfo.capture(with_torch=False)
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit code and the pipe

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor import nvml
+from ciuic_doctor.machine import nvml
 from ciuic_doctor.probes.memwatch import sampler as memwatch
 
 MIB = 2**20

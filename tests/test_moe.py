@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 FAST = ("--set", "dataloader.num_workers=0", "--set", "checkpoint.every_steps=0")
 

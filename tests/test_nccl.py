@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor import nccl
+from ciuic_doctor.machine import nccl
 
 DATA = Path(__file__).parent / "data"
 LOG = DATA / "nccl_debug_tuning.log"

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.observed import spec_from_observed
+from ciuic_doctor.jobs.observed import spec_from_observed
 from ciuic_doctor.recommend import recommend
 from ciuic_doctor.report import build_report, resolve_spec
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import RunDir
 from tests.conftest import run_cli
 
 SCRIPTS = Path(__file__).parent / "data" / "user_scripts"
 WATCH_TIMEOUT_S = 360  # a few seconds alone; generous for a 2-core machine shared by several suites
 
 
-@pytest.mark.parametrize("name", ["ciuic_doctor.observed", "ciuic_doctor.probes.watch.observe_sections"])
+@pytest.mark.parametrize("name", ["ciuic_doctor.jobs.observed", "ciuic_doctor.probes.watch.observe.sections"])
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0
@@ -193,7 +193,7 @@ def test_a_script_without_a_dataloader_gets_no_loader_sweep_and_tip_2_says_why(t
     from ciuic_doctor.checkup.phases import Checkup
     from ciuic_doctor.checkup.script import _loader_phase
     from ciuic_doctor.recommend import Context
-    from ciuic_doctor.seed_tips import evaluate_tips
+    from ciuic_doctor.recommend.tips.seed import evaluate_tips
 
     run = RunDir.create(tmp_path / "run")
     observed = {"job": {"name": "train.py", "nodes": 1, "procs_per_node": 1}, "dataloader": {}}

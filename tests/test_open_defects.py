@@ -118,7 +118,7 @@ def test_no_message_offers_force_to_a_command_without_it(tmp_path):
 
 def _rss_run(path: Path, steps: int, mib_per_step: float) -> Path:
     """One rank's steps with host RSS growing steadily from a 1 GiB level (watch's `rss` field)."""
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     run = RunDir.create(path)
     with run.writer("steps", rank=0, per_rank_file=True) as writer:
@@ -132,7 +132,7 @@ def test_a_short_run_gets_no_memory_leak_verdict_a_long_one_does(tmp_path):
     """A 16-step checkup's start-up growth (40 MiB/step, 3 s steps) was a FAIL: an OOM projected in 24 h
     from 12 steady steps. Too short: not_run with the reason. The same growth over 60 steps: a leak."""
     from ciuic_doctor.analysis import memory
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     def host(run):
         (leak,) = [f for f in memory.analyze(RunDir.open(run)) if f.check == "memory_leak"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor.findings import Finding
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
 from ciuic_doctor.recommend import Context, Plan, nccl_algo_value, recommend, setting_kind
+from ciuic_doctor.recommend.tips.seed import evaluate_tips
 from ciuic_doctor.report import files, spec_for_run
-from ciuic_doctor.seed_tips import evaluate_tips
+from ciuic_doctor.rundir.findings import Finding
 
 DATA = Path(__file__).parent / "data" / "report_gpu"
 

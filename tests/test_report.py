@@ -15,7 +15,7 @@ import pytest
 from ciuic_doctor.report import OUTPUTS, build_report
 from ciuic_doctor.report.html import json_for_script
 from ciuic_doctor.report.plots import busbw_plot
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 DATA = Path(__file__).parent / "data" / "report_gpu"
 PAYLOAD = '<script>alert("pwned")</script><img src=x onerror="alert(1)">'

@@ -13,11 +13,11 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.frames import TableRead, schema_for
 from ciuic_doctor.report import memwatch_view, step_table
 from ciuic_doctor.report.plots import memwatch_plot
 from ciuic_doctor.report.rank_view import COLUMNS, MEMORY_COLUMNS
 from ciuic_doctor.report.step_table import StepTable, summarise
+from ciuic_doctor.rundir.frames import TableRead, schema_for
 
 STEP_COLUMNS = (*COLUMNS, *MEMORY_COLUMNS)
 VARIANTS = ("in order", "shuffled", "restarted", "null keys", "one rank", "missing columns", "dictionary")
@@ -226,7 +226,7 @@ def test_memwatch_view_is_the_pandas_summary_and_draws_the_same_plot(roles, monk
         table = table.take(np.random.default_rng(1).permutation(table.num_rows))
     monkeypatch.setattr(memwatch_view, "BLOCK_ROWS", 333)  # blocks that cut processes anywhere
     monkeypatch.setattr(
-        "ciuic_doctor.frames.read_stream", lambda run, stream, columns: TableRead(table=table)
+        "ciuic_doctor.rundir.frames.read_stream", lambda run, stream, columns: TableRead(table=table)
     )
     got = memwatch_view.load(_Run())
     processes, records, key = _old_memwatch(_plain(table))

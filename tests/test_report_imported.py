@@ -13,7 +13,7 @@ import pytest
 from conftest import run_cli
 
 from ciuic_doctor.report import build_report
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 
 def write_log(tmp_path, kind: str):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ciuic_doctor.analysis import run_all
-from ciuic_doctor.analysis._crossrank import StepMatrix, classify, slow_hosts
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.analysis.steps.crossrank import StepMatrix, classify, slow_hosts
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import RunDir
 from tests import scalesynth
 from tests.conftest import run_cli
 

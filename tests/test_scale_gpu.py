@@ -10,11 +10,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ciuic_doctor import frames
 from ciuic_doctor.analysis import hang, run_all
-from ciuic_doctor.analysis._trend import robust_trend
-from ciuic_doctor.analysis._trends import RankSeries, fit
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.analysis.stats.batch_trend import RankSeries, fit
+from ciuic_doctor.analysis.stats.trend import robust_trend
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.store import RunDir
 from tests import scalesynth
 
 # 240 steps: the grower grows 2 MiB/step to clear the growth floor (0.5 % of its ~63 GB) in a short run
@@ -92,7 +92,8 @@ def test_grouped_trends_equal_robust_trend_series_by_series():
 def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
     """The trend fits and the per-rank interpolation work a block at a time (to bound their temporaries);
     the block size must change nothing, to the last bit."""
-    from ciuic_doctor.analysis import _memory_columns, _trends
+    from ciuic_doctor.analysis.memory import columns as _memory_columns
+    from ciuic_doctor.analysis.stats import batch_trend as _trends
 
     rng = np.random.default_rng(7)
     lengths = [3, 40, 40, 41, 200, 200, 200]
@@ -125,10 +126,11 @@ def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
 def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
     """The memory checks' grouped passes run RANKS_PER_BLOCK ranks at a time: any block size (here 5 and
     7 of 32 ranks, so blocks end mid-host) gives every rank the same series, trend and finding."""
-    from ciuic_doctor.analysis import _memory_blocks, memory
-    from ciuic_doctor.analysis._memory_batch import device_fits, host_fits, steps_fits
-    from ciuic_doctor.analysis._memory_cuda_figures import fragmentation_figures, non_pytorch_fits
-    from ciuic_doctor.analysis._memory_data import _Data
+    from ciuic_doctor.analysis import memory
+    from ciuic_doctor.analysis.memory import blocks as _memory_blocks
+    from ciuic_doctor.analysis.memory.batch import device_fits, host_fits, steps_fits
+    from ciuic_doctor.analysis.memory.cuda_figures import fragmentation_figures, non_pytorch_fits
+    from ciuic_doctor.analysis.memory.data import _Data
 
     path, _ = judged
     run = RunDir.open(path)
@@ -177,7 +179,8 @@ def test_blocks_of_ranks_change_no_figure(judged, monkeypatch):
 def test_blocks_of_ranks_without_memwatch_or_cuda_fields_change_no_finding(tmp_path, monkeypatch, memwatch):
     """A CPU job's steps alone (no memwatch), or memwatch beside them: blocks of 3 of 10 ranks judge
     every memory check as one block does, not_run reasons included."""
-    from ciuic_doctor.analysis import _memory_blocks, memory
+    from ciuic_doctor.analysis import memory
+    from ciuic_doctor.analysis.memory import blocks as _memory_blocks
 
     plan = scalesynth.Plan(ranks=10, steps=80, gpu=False, memwatch=memwatch, ranks_per_host=4)
     run = RunDir.open(scalesynth.generate(tmp_path / "run", plan))
@@ -195,11 +198,11 @@ def test_blocks_of_ranks_convert_only_their_own_rows(judged, monkeypatch):
     codes while the checks run, and a joined fit still gives any rank's series (made again from it)."""
     import pyarrow as pa
 
-    from ciuic_doctor.analysis import _memory_blocks
-    from ciuic_doctor.analysis._memory_batch import host_fits
-    from ciuic_doctor.analysis._memory_cuda import cuda_findings
-    from ciuic_doctor.analysis._memory_data import _Data
-    from ciuic_doctor.analysis._memory_leaks import leak_findings
+    from ciuic_doctor.analysis.memory import blocks as _memory_blocks
+    from ciuic_doctor.analysis.memory.batch import host_fits
+    from ciuic_doctor.analysis.memory.cuda import cuda_findings
+    from ciuic_doctor.analysis.memory.data import _Data
+    from ciuic_doctor.analysis.memory.leaks import leak_findings
 
     path, _ = judged
     monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)
@@ -224,7 +227,9 @@ def test_the_memory_analysis_lets_its_data_go_without_the_cycle_collector(judged
     import gc
     import weakref
 
-    from ciuic_doctor.analysis import _memory_blocks, _memory_data, memory
+    from ciuic_doctor.analysis import memory
+    from ciuic_doctor.analysis.memory import blocks as _memory_blocks
+    from ciuic_doctor.analysis.memory import data as _memory_data
 
     path, _ = judged
     monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciuic_doctor.analysis.stability import analyze_log
-from ciuic_doctor.findings import Finding
 from ciuic_doctor.importers import load, normalize
+from ciuic_doctor.rundir.findings import Finding
 
 N = 2000
 SCALER = {"ours": "gradscaler", "megatron": "megatron", "megatron10": "megatron", "deepspeed": "deepspeed"}
@@ -377,7 +377,7 @@ def test_storm_window_counts_steps_not_rows():
 def test_fold_skips_drop_duplicates_only_when_no_rank_step_repeats(rows, in_order):
     """fold's shortcut (rows in (rank, step) order without repeats: nothing to drop) gives the curve
     drop_duplicates gives, on any rows: repeats (the later one wins), unsorted ranks, missing ranks."""
-    from ciuic_doctor.analysis import _stability_curve
+    from ciuic_doctor.analysis.stability import curve as _stability_curve
 
     if in_order:  # watch's own files: sorted by rank, then step, no repeats
         rows = sorted({(r, s): v for r, s, v in rows}.items(), key=lambda kv: (kv[0][0] is not None, kv[0]))
@@ -393,7 +393,7 @@ def test_fold_skips_drop_duplicates_only_when_no_rank_step_repeats(rows, in_orde
 
 def test_fold_keeps_the_later_of_a_repeated_step_even_in_order():
     """A step written twice in a row (a resumed rank re-running it) is one step, the later record's."""
-    from ciuic_doctor.analysis._stability_curve import fold
+    from ciuic_doctor.analysis.stability.curve import fold
 
     table = normalize({"rank": [0, 0, 0, 1, 1], "step": [1, 1, 2, 1, 2], "loss": [1.0, 3.0, 2.0, 5.0, 4.0]})
     curve = fold(table)

@@ -333,7 +333,7 @@ def test_each_optimizer_of_a_watched_script_is_its_own_series(tmp_path):
     """watch records a step per optimizer (a GAN's D at loss ~0.7 and G at ~2.5, issue 13): merged into one
     curve they would alternate 3.6x every step; judged apart, only G's one-step spike at 120 is found."""
     from ciuic_doctor.analysis import stability
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     rng = np.random.default_rng(0)
     run = RunDir.create(tmp_path / "gan")

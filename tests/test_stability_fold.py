@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ciuic_doctor.analysis import _stability_curve as curve
+from ciuic_doctor.analysis.stability import curve
 from ciuic_doctor.importers import normalize
 
 

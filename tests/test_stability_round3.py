@@ -15,9 +15,9 @@ import logsynth_formats as lf
 import numpy as np
 import pytest
 
-from ciuic_doctor.analysis._spikes import Spike
-from ciuic_doctor.analysis._stability_events import merge_events
 from ciuic_doctor.analysis.stability import analyze_log
+from ciuic_doctor.analysis.stability.events import merge_events
+from ciuic_doctor.analysis.stats.spikes import Spike
 from ciuic_doctor.importers import load, sniff
 
 

@@ -1,8 +1,8 @@
 """The steps analysis read in blocks gives what the per-record rules give, whatever the block size and the
-row order: the ranks × steps grids (`_step_grid`: rows in any order, a (rank, step) recorded twice, rows
+row order: the ranks × steps grids (`steps.grid`: rows in any order, a (rank, step) recorded twice, rows
 without a rank or step, missing and changing hosts, a host column dictionary-encoded or all null), the
-judgement of every rank (`_crossrank`, `_pace_stats`: blocks of ranks and steps), and rank_desync's
-checksums from the table's columns (`_desync`) against the records."""
+judgement of every rank (`steps.crossrank`, `steps.pace`: blocks of ranks and steps), and rank_desync's
+checksums from the table's columns (`steps.desync`) against the records."""
 
 from __future__ import annotations
 
@@ -15,10 +15,14 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.analysis import _crossrank, _desync, _pace_stats, _step_grid, steps
-from ciuic_doctor.analysis._step_grid import matrix_from_table
-from ciuic_doctor.columnar_schema import schema_for
+from ciuic_doctor.analysis import steps
+from ciuic_doctor.analysis.steps import crossrank as _crossrank
+from ciuic_doctor.analysis.steps import desync as _desync
+from ciuic_doctor.analysis.steps import grid as _step_grid
+from ciuic_doctor.analysis.steps import pace as _pace_stats
+from ciuic_doctor.analysis.steps.grid import matrix_from_table
 from ciuic_doctor.measures.ranks import differing_ranks
+from ciuic_doctor.rundir.columnar_schema import schema_for
 
 COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks")
 CHECKSUMS = [5.0, 5.0, 5.0 + 1e-3, math.nan]

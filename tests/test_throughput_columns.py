@@ -1,4 +1,4 @@
-"""The grouped tokens/s and goodput (analysis/_throughput_columns.py) give the per-record rules' figures
+"""The grouped tokens/s and goodput (analysis/throughput/columns.py) give the per-record rules' figures
 (throughput.tokens_per_s, throughput.goodput) on fuzzed ranks: skipped steps, a second optimizer,
 rollbacks that repeat a step, missing tokens, segments, zero and null step times, a NaN value; and the
 same figures, in the same order, read in blocks of ranks of any size, from rows rank by rank or
@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ciuic_doctor.analysis import _rank_blocks
-from ciuic_doctor.analysis._grouped import grouped_median, in_order
-from ciuic_doctor.analysis._throughput_columns import COLUMNS, per_rank
+from ciuic_doctor.analysis.stats import rank_blocks as _rank_blocks
+from ciuic_doctor.analysis.stats.grouped import grouped_median, in_order
 from ciuic_doctor.analysis.throughput import goodput, tokens_per_s
-from ciuic_doctor.columnar_schema import schema_for
+from ciuic_doctor.analysis.throughput.columns import COLUMNS, per_rank
+from ciuic_doctor.rundir.columnar_schema import schema_for
 
 
 def _records(seed: int) -> list[dict]:
@@ -75,7 +75,8 @@ def test_grouped_figures_equal_the_per_record_rules(seed):
         assert good[rank] == pytest.approx(figures, rel=1e-9, abs=1e-9, nan_ok=True)
 
 
-# ---- blocks of whole ranks (analysis/_rank_blocks.py) and the sorts skipped (analysis/_grouped.py) --------
+# ---- blocks of whole ranks (analysis/stats/rank_blocks.py) and the sorts skipped
+# (analysis/stats/grouped.py) --------
 def _figures(rows: list[dict], created, block_rows: int, monkeypatch) -> str:
     """per_rank's dicts, order included (ties between ranks are broken in it), as text (NaN compares)."""
     monkeypatch.setattr(_rank_blocks, "BLOCK_ROWS", block_rows)

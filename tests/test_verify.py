@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_doctor.findings import Recommendation
 from ciuic_doctor.recommend.core import Plan
 from ciuic_doctor.recommend.verified import (
     HELPS,
@@ -19,6 +18,7 @@ from ciuic_doctor.recommend.verified import (
     apply,
     for_files,
 )
+from ciuic_doctor.rundir.findings import Recommendation
 from tests.conftest import run_cli
 
 SCRIPT = Path(__file__).parent / "data" / "user_scripts" / "slow_loader_train.py"

@@ -17,7 +17,7 @@ from conftest import run_cli, torchrun
 
 from ciuic_doctor.analysis.steps import analyze, check_rank_desync, check_step_time
 from ciuic_doctor.cli import main
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.rundir.store import RunDir, as_float
 
 RECORD_KEYS = (
     "rank", "step", "t", "step_time_s", "pre_backward_s", "loss", "lr", "grad_norm", "grad_norm_source",

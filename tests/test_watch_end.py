@@ -14,8 +14,8 @@ import sys
 
 from conftest import run_cli
 
-from ciuic_doctor.store import RunDir
-from ciuic_doctor.watch_end import process_start
+from ciuic_doctor.rundir.store import RunDir
+from ciuic_doctor.rundir.watch_end import process_start
 
 TRAIN_THEN = """
 import ctypes, os, signal, sys, torch

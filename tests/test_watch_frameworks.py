@@ -11,7 +11,7 @@ import json
 import pytest
 from conftest import run_cli, torchrun
 
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 pytest.importorskip("lightning")
 

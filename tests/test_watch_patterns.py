@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from conftest import run_cli
 
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 
 def steps_of(path) -> list[dict]:

@@ -1,12 +1,13 @@
 """Analyses: pure functions from a run directory's records to findings.
 
-Each module here judges one probe's streams and exposes
+Each package here judges one probe's streams and exposes, from its `__init__`,
 
     STREAMS: tuple[str, ...]                 the streams it reads (it runs when any is present)
     def analyze(run: RunDir) -> list[Finding]
 
-`run_all` discovers the modules, runs those whose streams exist, and writes findings.json. A new
-analysis is a new module; nothing here changes.
+`run_all` discovers the packages that define `analyze`, runs those whose streams exist, and writes
+findings.json. A new analysis is a new package; nothing here changes. The statistics the analyses share
+live in `stats/`, one function per concept.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 
-from ciuic_doctor.findings import Finding, sort_findings
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.findings import Finding, sort_findings
+from ciuic_doctor.rundir.store import RunDir
 
 FINDINGS_FILE = "findings.json"
 
 
 def analysis_modules() -> list[ModuleType]:
-    return [
+    """Every analysis package, in name order: a package (not a module) whose `__init__` defines `analyze`."""
+    packages = [
         importlib.import_module(f"{__name__}.{info.name}")
         for info in pkgutil.iter_modules(__path__)
-        if not info.name.startswith("_")
+        if info.ispkg and not info.name.startswith("_")
     ]
+    return [package for package in packages if hasattr(package, "analyze")]
 
 
 def run_all(run: RunDir, progress: Callable[[str], None] | None = None) -> list[Finding]:
@@ -49,7 +52,7 @@ def run_all(run: RunDir, progress: Callable[[str], None] | None = None) -> list[
         ran.append(name)
     if quality := records_finding(run):
         findings.append(quality)
-    from ciuic_doctor.analysis._run_end import run_end_finding
+    from ciuic_doctor.analysis.run_end import run_end_finding
 
     if (end := run_end_finding(run.read_meta())) is not None:  # a crash, a kill: said, never `running`
         findings.append(end)
@@ -64,7 +67,7 @@ def run_all(run: RunDir, progress: Callable[[str], None] | None = None) -> list[
 def _crashed(analysis: str, exc: Exception) -> Finding:
     """not_run for an analysis that raised: the others' findings and the report still come out.
 
-    The readers validate every record against its stream's schema (ciuic_doctor.schemas), so this is a
+    The readers validate every record against its stream's schema (ciuic_doctor.rundir.schemas), so this is a
     value the schema allows but the analysis did not expect: a bug to report, with its one line here.
     """
     import traceback

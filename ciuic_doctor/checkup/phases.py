@@ -158,7 +158,7 @@ class Checkup:
         result = build_report(self.run, spec_path=args.spec, analyze=True, baseline=baseline)
         self.phases.append(Phase(name="report", status="ok", seconds=time.perf_counter() - t0))
         total_s = round(time.perf_counter() - started, 2)
-        from ciuic_doctor.hang_files import has_hang_dumps
+        from ciuic_doctor.rundir.hang.files import has_hang_dumps
 
         # Did the job hang: the hang doctor judged the ranks' dumps a hang (a dump made when checkup's own
         # --timeout stopped a slow, healthy job says "not hung when dumped"). A job phase that ran out of

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
     check_target(argv)
     from ciuic_doctor.launch import check_nproc
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
 
     skip = parse_skip(args.skip, PHASES)
     nproc = args.nproc or 1
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     started = time.perf_counter()
     run_dir.record_environment()
     run_dir.update_meta(checkup={"phases": [], "script": argv, "nproc": nproc})
-    from ciuic_doctor.envinfo import redact_argv
+    from ciuic_doctor.machine.envinfo import redact_argv
     from ciuic_doctor.render_text import terminal
 
     shown = terminal(" ".join(redact_argv(argv)))  # --hf-token X never reaches the terminal or a log
@@ -117,8 +117,8 @@ def _loader_phase(
     sweep = ["loader-sweep", "--dataset", args.dataset, "--budget", f"{args.loader_budget:g}"]
     sweep += ["--local-world-size", str(nproc), "--out", out]
     if observed:
+        from ciuic_doctor.jobs.observed import spec_from_observed
         from ciuic_doctor.jobs.spec import dump_spec
-        from ciuic_doctor.observed import spec_from_observed
 
         spec_path = run_dir.write_text(OBSERVED_SPEC, dump_spec(spec_from_observed(observed).spec))
         sweep += ["--spec", str(Path(spec_path).resolve())]

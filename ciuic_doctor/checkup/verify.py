@@ -11,7 +11,7 @@ def verify_phase(args: argparse.Namespace) -> int:
     """Verify the checkup in args.out; 0 when verification ran, whatever it found."""
     from ciuic_doctor.commands.verify import options_from
     from ciuic_doctor.report import build_report
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
     from ciuic_doctor.verify import lines, verify_run
 
     run = RunDir.open(args.out)

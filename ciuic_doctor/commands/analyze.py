@@ -30,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.analysis import run_all
-    from ciuic_doctor.findings import overall_verdict
     from ciuic_doctor.render_text import StageLine, findings_table
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.findings import overall_verdict
+    from ciuic_doctor.rundir.store import RunDir
 
     run_dir = RunDir.open(args.run)
     run_dir.claim_outputs()

@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 
 from ciuic_doctor.cli_args import add_out, positive_int
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 NAME = "checkpoint-check"
 HELP = "checkpoint save/load cost, barrier wait vs timeout, resume fidelity, unsafe pickle"
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             raise
 
     from ciuic_doctor.launch import launch_local
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
 
     nproc = args.nproc or DEFAULT_NPROC
     run_dir = RunDir.create(default_run_path(NAME, args.out))

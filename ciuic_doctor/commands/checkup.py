@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.checkup import script as checkup_script
-    from ciuic_doctor.store import default_run_path
+    from ciuic_doctor.rundir.store import default_run_path
 
     args.out = str(default_run_path("checkup", args.out))  # one folder for the checkup and its verify
     if script := checkup_script.script_argv(args):  # issue 14: the user's own script
@@ -143,7 +143,7 @@ def _run_embedded(args: argparse.Namespace) -> int:
     if args.dataset:
         raise UserError("--dataset rebuilds a script's dataset: give the script, `checkup ... -- train.py`")
     from ciuic_doctor.launch import check_nproc
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
     from ciuic_doctor.units import format_size_short
 
     skip = parse_skip(args.skip, ("comm-bench", "loader-sweep", "job", "memwatch", "checkpoint-check"))

@@ -72,7 +72,7 @@ def _parse(args: argparse.Namespace) -> None:
     if args.splits_from:  # refuse a run without routing before any rank starts
         from pathlib import Path
 
-        from ciuic_doctor.store import RunDir
+        from ciuic_doctor.rundir.store import RunDir
 
         path = Path(args.splits_from)
         try:
@@ -288,7 +288,7 @@ def _run_rank(args: argparse.Namespace) -> int:
 def _run_local(args: argparse.Namespace) -> int:
     from ciuic_doctor.errors import ProbeFailed
     from ciuic_doctor.launch import check_nproc, launch_local
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
 
     nproc = args.nproc or _default_nproc()
     check_nproc(nproc)

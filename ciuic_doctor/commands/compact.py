@@ -32,10 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
-    from ciuic_doctor import safe_io
     from ciuic_doctor.errors import UserError
-    from ciuic_doctor.parquet_store import compact_file, fresh_parquet
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir import safe_io
+    from ciuic_doctor.rundir.parquet_store import compact_file, fresh_parquet
+    from ciuic_doctor.rundir.store import RunDir
 
     run_dir = RunDir.open(args.run)
     found = sorted(run_dir.path.glob("*.jsonl"))

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ciuic_doctor.compare import compare_runs
-    from ciuic_doctor.store import RunDir, dumps
+    from ciuic_doctor.rundir.store import RunDir, dumps
 
     result = compare_runs(RunDir.open(args.run_a), RunDir.open(args.run_b))
     if args.out:

@@ -15,8 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.envinfo import capture
-    from ciuic_doctor.store import dumps
+    from ciuic_doctor.machine.envinfo import capture
+    from ciuic_doctor.rundir.store import dumps
 
     print(json.dumps(json.loads(dumps(capture(with_torch=not args.no_torch))), indent=2))
     return 0

@@ -48,9 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.analysis.hang import judge, run_status
     from ciuic_doctor.errors import UserError
-    from ciuic_doctor.hang_files import has_hang_dumps, load
     from ciuic_doctor.render_text import findings_table, terminal
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.hang.files import has_hang_dumps, load
+    from ciuic_doctor.rundir.store import RunDir
 
     if (args.run is None) == (args.pid is None):
         raise UserError("give a run directory (hang RUN) or a running job (hang --pid PID), not both")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     status = run_status(run_dir.read_meta())
     findings = judge(files, run_status=status)
     if status not in (None, "running") and not args.json:  # how it ended comes first: finished is no hang
-        from ciuic_doctor.watch_end import describe, watch_record
+        from ciuic_doctor.rundir.watch_end import describe, watch_record
 
         print(f"the run {describe(watch_record(run_dir.read_meta()) or {})}.")
     if args.json:

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.jobs.checkpoint import resolve_resume
     from ciuic_doctor.jobs.model import model_config
     from ciuic_doctor.launch import launch_local
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
 
     # Mistakes every rank would make alike: one clear line here instead of one failed rank per process.
     model_config(spec)

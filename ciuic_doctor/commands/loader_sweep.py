@@ -139,10 +139,10 @@ def parse_int_list(text: str, option: str, minimum: int, maximum: int | None = N
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.envinfo import cpu_budget
     from ciuic_doctor.errors import ProbeFailed, UserError
     from ciuic_doctor.jobs.spec import load_spec
-    from ciuic_doctor.store import RunDir, default_run_path
+    from ciuic_doctor.machine.envinfo import cpu_budget
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
     from ciuic_doctor.units import parse_size
 
     synthetic = args.sample_cost_ms is not None or args.sample_bytes is not None

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.memwatch.sampler import MemwatchConfig, watch
-    from ciuic_doctor.store import default_run_path
+    from ciuic_doctor.rundir.store import default_run_path
 
     config = MemwatchConfig(
         pid=args.pid,

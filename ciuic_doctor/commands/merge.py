@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ciuic_doctor.errors import UserError
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     if len(args.runs) < 2:
         raise UserError("merge needs at least two run directories")
@@ -84,8 +84,8 @@ def plan_merge(inputs: list) -> tuple[dict[str, list], list[str]]:
     """({file name: [source paths]}, [what was skipped]); UserError when one rank's file differs between
     inputs. Only regular files inside each input are taken: a symlink (it could name any file on the
     machine), a FIFO (a read never ends), a device (/dev/zero never ends) or a folder is skipped, named."""
-    from ciuic_doctor import safe_io
     from ciuic_doctor.errors import UserError
+    from ciuic_doctor.rundir import safe_io
 
     sources: dict[str, list] = {}
     skipped: list[str] = []
@@ -111,7 +111,7 @@ _CHUNK = 1 << 20
 
 
 def _same_bytes(a, b) -> bool:
-    from ciuic_doctor import safe_io
+    from ciuic_doctor.rundir import safe_io
 
     with (
         open(safe_io.open_regular(a, max_bytes=safe_io.MAX_STREAM_BYTES), "rb") as fa,
@@ -128,7 +128,7 @@ def _same_bytes(a, b) -> bool:
 def _append(source, fd: int, *, whole_lines: bool) -> bool:
     """Copy `source` (a regular file of at most safe_io.MAX_STREAM_BYTES) to the end of `fd` in chunks;
     with `whole_lines` a torn last line is cut off again. True when a torn line was dropped."""
-    from ciuic_doctor import safe_io
+    from ciuic_doctor.rundir import safe_io
 
     start = os.lseek(fd, 0, os.SEEK_END)
     copied, last_newline = 0, -1
@@ -200,7 +200,7 @@ def _copy_hang_files(inputs: list, out) -> int:
     """Every input's hang files (a rank's dump, its Flight Recorder file, its watchdog's armed record):
     the first input that has a rank's file gives it. Regular files inside the input only, each at most
     its cap (safe_io), written without following a symlink."""
-    from ciuic_doctor import safe_io
+    from ciuic_doctor.rundir import safe_io
 
     copied = 0
     for run in inputs:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ciuic_doctor.render_text import StageLine
     from ciuic_doctor.report import build_report
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     start = time.perf_counter()
     baseline = RunDir.open(args.baseline) if args.baseline else None

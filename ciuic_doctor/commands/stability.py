@@ -67,9 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.analysis.stability import analyze_log, write_findings
-    from ciuic_doctor.findings import overall_verdict, sort_findings
     from ciuic_doctor.importers import check_format, load
     from ciuic_doctor.render_text import findings_table
+    from ciuic_doctor.rundir.findings import overall_verdict, sort_findings
 
     log = load(args.paths, check_format(args.format))
     if args.clip is not None:  # kept in RUN/meta.json with --out: `analyze RUN` judges clipping the same way
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     wrote_steps = False
     if args.out:
         from ciuic_doctor.importers._run import write_run
-        from ciuic_doctor.store import RunDir
+        from ciuic_doctor.rundir.store import RunDir
 
         out = RunDir.create(args.out)
         wrote_steps = write_run(out, log, args.paths)

@@ -63,9 +63,9 @@ def open_job(pid: int | None, run: str | None, interval_s: float = 1.0):  # -> l
     (psutil reads every process of the host) scales with --interval, as every other read does."""
     from pathlib import Path
 
-    from ciuic_doctor import nvml
     from ciuic_doctor.errors import UserError
     from ciuic_doctor.live.view import LiveJob
+    from ciuic_doctor.machine import nvml
 
     if (pid is None) == (run is None):
         raise UserError(

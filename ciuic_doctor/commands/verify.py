@@ -95,7 +95,7 @@ def options_from(args: argparse.Namespace) -> object:
 
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.report import build_report
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
     from ciuic_doctor.verify import lines, verify_run
 
     run_dir = RunDir.open(args.run)

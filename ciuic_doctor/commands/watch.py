@@ -156,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.probes.watch import exit as watch_exit
     from ciuic_doctor.probes.watch import observe as watch_observe
     from ciuic_doctor.probes.watch.session import run_script
+    from ciuic_doctor.rundir.watch_end import process_fields
     from ciuic_doctor.watch import attach
-    from ciuic_doctor.watch_end import process_fields
 
     if args.snapshot_on_leak and not torch.cuda.is_available() and not args.child:
         print("ciuic-doctor watch: --snapshot-on-leak needs CUDA; ignored on this machine", file=sys.stderr)

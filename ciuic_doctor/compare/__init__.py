@@ -22,8 +22,8 @@ from typing import Any
 
 from ciuic_doctor.compare.change import Change
 from ciuic_doctor.compare.settings import SettingChange, headline, settings_diff
-from ciuic_doctor.findings import Finding, overall_verdict
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.findings import Finding, overall_verdict
+from ciuic_doctor.rundir.store import RunDir
 
 STREAMS = ("steps", "loader", "comm", "checkpoint", "memwatch")
 

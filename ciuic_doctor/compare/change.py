@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ciuic_doctor.compare.stats import ALPHA, holm
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.rundir.findings import Finding
 
 PROBE = "compare"
 BETTER, WORSE, SAME, UNJUDGED = "better", "worse", "no significant change", "not judged"

@@ -22,8 +22,8 @@ from typing import Any
 
 from ciuic_doctor.compare.change import PROBE, Change
 from ciuic_doctor.compare.stats import ALPHA, MIN_SAMPLES, mean_difference
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 
 TOLERANCE_SIGMAS = 4.0  # |z| > 4 happens by chance at 6 in 100,000 steps of Gaussian noise
 

@@ -18,8 +18,8 @@ from typing import Any
 from ciuic_doctor.analysis.steps import MIN_STEADY_STEPS, WARMUP_STEPS
 from ciuic_doctor.compare.change import Change, finding_for, judge_family
 from ciuic_doctor.compare.stats import MIN_SAMPLES, RatioEstimate, count_test, ratio_of_means
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 
 
 def per_rank_series(records: list[dict[str, Any]], key: str) -> dict[int, dict[int, float]]:

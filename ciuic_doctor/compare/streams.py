@@ -26,7 +26,7 @@ from ciuic_doctor.analysis.loader import last_sweep, pool
 from ciuic_doctor.compare.change import Change
 from ciuic_doctor.compare.loss import step_noise
 from ciuic_doctor.compare.stats import MIN_SAMPLES, ratio_from_log_normal, ratio_of_means, t_interval
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_size_short
 
 PLACE = {True: "in place", False: "out of place"}

@@ -241,7 +241,7 @@ def _csv_header_has_step(text: str) -> bool:
 
 
 def _sniff_dir(path: Path) -> str:
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     if RunDir(path).has_stream("steps"):
         return "ours"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ciuic_doctor.importers import StepLog
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
 STREAM = "steps"
 

@@ -78,7 +78,7 @@ def workers_for(path: Path) -> int:
     if wanted.isdigit() and int(wanted) > 0:
         usable = int(wanted)
     else:
-        from ciuic_doctor.envinfo import cpu_budget
+        from ciuic_doctor.machine.envinfo import cpu_budget
 
         usable = cpu_budget()["usable"]
     return max(1, min(usable, MAX_WORKERS, size // CHUNK_BYTES))

@@ -25,7 +25,7 @@ from typing import Any
 
 from ciuic_doctor.importers import StepLog, normalize, rank_intervals
 from ciuic_doctor.importers._text import byte_chunks, map_ranges
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.rundir.store import RunDir, as_float
 
 # interval_steps, series, nonfinite, attempted_scale: written by `stability LOG --out RUN` for an imported
 # log (a row per logging interval, several engines or runs, NaN counts, the scale an overflow attempted),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.importers import StepLog
 from ciuic_doctor.importers.ours import to_steplog
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 if TYPE_CHECKING:
     import pyarrow
@@ -28,7 +28,7 @@ WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped
 
 def load(path: Path) -> StepLog:
     """The run directory's steps (every file, shared first, then per rank) as ours.load returns them."""
-    from ciuic_doctor.frames import read_stream
+    from ciuic_doctor.rundir.frames import read_stream
 
     read = read_stream(RunDir(path), "steps", WANTED)
     return to_steplog(
@@ -55,7 +55,7 @@ class _Columns:
         import pyarrow as pa
         import pyarrow.compute as pc
 
-        from ciuic_doctor.frames import float_values
+        from ciuic_doctor.rundir.frames import float_values
 
         if name == "nonfinite":  # the store writes a non-finite loss as "nan"/"inf": read back as NaN/inf
             loss = self._column("loss")

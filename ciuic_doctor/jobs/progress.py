@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.jobs.options import JobOptions, TrainerView, World, median_step_s
-from ciuic_doctor.store import RunDir, default_run_path
+from ciuic_doctor.rundir.store import RunDir, default_run_path
 
 if TYPE_CHECKING:
     from ciuic_doctor.jobs.checkpoint import LoadTiming, SaveTiming
@@ -74,7 +74,7 @@ class JobProgress:
         """The run directory (the watch session's when one is recording), with watch attached."""
         from ciuic_doctor import watch
         from ciuic_doctor.launch import agree_on_run_dir
-        from ciuic_doctor.watch_end import process_fields
+        from ciuic_doctor.rundir.watch_end import process_fields
 
         active = watch.current()
         if active is not None:

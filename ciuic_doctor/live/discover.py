@@ -13,7 +13,7 @@ A child of a rank is that rank's worker (DataLoader workers name themselves `pt_
 multiprocessing's resource tracker / forkserver (helpers). Several agents of one job on one host are
 joined through TORCHELASTIC_RUN_ID (not when it is torchrun's default "none").
 
-GPUs: NVML's processes per device by PID (ciuic_doctor.nvml), else the device CUDA_VISIBLE_DEVICES and
+GPUs: NVML's processes per device by PID (ciuic_doctor.machine.nvml), else the device CUDA_VISIBLE_DEVICES and
 LOCAL_RANK point at. Reads /proc only; never signals, never attaches a debugger; imports no torch.
 """
 

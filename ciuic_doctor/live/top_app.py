@@ -69,7 +69,7 @@ class StackView:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        from ciuic_doctor.hang_files import py_spy_stacks
+        from ciuic_doctor.rundir.hang.files import py_spy_stacks
 
         lines: list[str] = []
         for rank, pid in self.rows:

@@ -8,12 +8,12 @@
   that wait in the collective.
 - straggler: the rank's median pace (time before backward where recorded: in DDP the step time is evened
   out by the gradient all-reduce; else the step time) is ≥ SLOW_FRACTION above the lower median of all
-  ranks and beyond NOISE_MADS × (its MAD + the typical MAD): analysis/_crossrank.py's level rule.
+  ranks and beyond NOISE_MADS × (its MAD + the typical MAD): analysis/steps/crossrank.py's level rule.
 - memory climbing: the rank's RSS over the sampled window rises by Mann–Kendall z ≥ LEAK_Z with R² ≥
   LEAK_R2 and growth ≥ max(LEAK_MIN_BYTES, LEAK_MIN_FRACTION × level): the report's memory_leak rule
-  (analysis/_memory_data.py's constants: z 3, R² 0.5, 16 MiB, 0.5 %).
+  (analysis/memory/data.py's constants: z 3, R² 0.5, 16 MiB, 0.5 %).
 - overflow storm: ≥ storm_skips skipped steps within storm_window_steps after the scaler's calibration
-  burst: analysis/_scaler.py's rule (5 in 100 for GradScaler's defaults).
+  burst: analysis/stats/scaler.py's rule (5 in 100 for GradScaler's defaults).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.analysis._crossrank import NOISE_MADS, SLOW_FRACTION
-from ciuic_doctor.analysis._scaler import ScalerRule
+from ciuic_doctor.analysis.stats.scaler import ScalerRule
+from ciuic_doctor.analysis.steps.crossrank import NOISE_MADS, SLOW_FRACTION
 from ciuic_doctor.live.sample import RankSample
 from ciuic_doctor.live.streams import StepWindow
 
@@ -143,8 +143,8 @@ def stragglers(windows: dict[int, StepWindow]) -> dict[int, str]:
 
 
 def memory_climbing(history: MemoryHistory) -> dict[int, str]:
-    from ciuic_doctor.analysis._memory_data import LEAK_MIN_BYTES, LEAK_MIN_FRACTION, LEAK_R2, LEAK_Z
-    from ciuic_doctor.analysis._trend import robust_trend
+    from ciuic_doctor.analysis.memory.data import LEAK_MIN_BYTES, LEAK_MIN_FRACTION, LEAK_R2, LEAK_Z
+    from ciuic_doctor.analysis.stats.trend import robust_trend
 
     out = {}
     for rank, points in history.points.items():

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.store import as_float
 
 # Two throughputs closer than 3 % are not told apart: repeated windows of one configuration on a shared
 # node differ by a few per cent. Wider when the windows themselves scatter (2 standard errors).

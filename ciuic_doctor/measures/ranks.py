@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.store import as_float
 
 CHECKSUM_RTOL = 1e-12  # float64 sums of identical replicas are bit-identical; this absorbs JSON rounding
 

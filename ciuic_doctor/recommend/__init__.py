@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.jobs.observed import ResolvedSpec
 from ciuic_doctor.jobs.spec import JobSpec
-from ciuic_doctor.observed import ResolvedSpec
 from ciuic_doctor.recommend import comm, memory, training
 from ciuic_doctor.recommend.comm import longest_waits
 from ciuic_doctor.recommend.core import (
@@ -44,6 +43,7 @@ from ciuic_doctor.recommend.core import (
     parse_version,
     setting_kind,
 )
+from ciuic_doctor.rundir.findings import Finding
 
 __all__ = [
     "EXPANDABLE",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from ciuic_doctor.findings import Confidence, Finding
 from ciuic_doctor.launch import default_pg_timeout_s
 from ciuic_doctor.recommend.core import (
     FLIGHT_RECORDER_ENV,
@@ -19,7 +18,8 @@ from ciuic_doctor.recommend.core import (
     nice_seconds,
     parse_version,
 )
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Confidence, Finding
+from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_bytes
 
 

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.findings import Confidence, Finding, Recommendation
+from ciuic_doctor.jobs.observed import ResolvedSpec
 from ciuic_doctor.jobs.spec import JobSpec
-from ciuic_doctor.observed import ResolvedSpec
+from ciuic_doctor.rundir.findings import Confidence, Finding, Recommendation
 
 # PyTorch's defaults, named wherever a rule compares with them.
 GRADSCALER_INIT_SCALE = 2.0**16

@@ -10,7 +10,7 @@ from ciuic_doctor.recommend.core import (
     Plan,
     add,
 )
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.store import as_float
 
 
 def rule_allocator(ctx: Context, plan: Plan) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-from ciuic_doctor.findings import Confidence
 from ciuic_doctor.recommend.core import (
     GRADSCALER_GROWTH_INTERVAL,
     GRADSCALER_INIT_SCALE,
@@ -14,7 +13,8 @@ from ciuic_doctor.recommend.core import (
     Plan,
     add,
 )
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Confidence
+from ciuic_doctor.rundir.store import as_float
 
 
 def rule_dataloader(ctx: Context, plan: Plan) -> None:

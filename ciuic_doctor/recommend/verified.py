@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ciuic_doctor.findings import Recommendation
 from ciuic_doctor.recommend.core import Plan, is_change, setting_kind
+from ciuic_doctor.rundir.findings import Recommendation
 
 HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE = "helps", "no measurable effect", "hurts", "not verifiable here"
 STATUSES = (HELPS, NO_EFFECT, HURTS, NOT_VERIFIABLE)

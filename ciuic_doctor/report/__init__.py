@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.findings import Finding, overall_verdict
+from ciuic_doctor.jobs.observed import ResolvedSpec, fallback, has_observed, merge_ranks, spec_from_observed
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
-from ciuic_doctor.observed import ResolvedSpec, fallback, has_observed, merge_ranks, spec_from_observed
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.findings import Finding, overall_verdict
+from ciuic_doctor.rundir.store import RunDir
 
 OUTPUTS = ("report.html", "recommended.env", "recommended.toml", "recommendations.json", "summary.md")
 
@@ -98,9 +98,9 @@ def build_report(
     told each stage as it starts (each analysis, then the page)."""
     from ciuic_doctor.analysis import load_findings, run_all
     from ciuic_doctor.recommend import Context, recommend
+    from ciuic_doctor.recommend.tips.seed import evaluate_tips
     from ciuic_doctor.report import files, html, imported, plots, sections
-    from ciuic_doctor.seed_tips import evaluate_tips
-    from ciuic_doctor.store import as_float
+    from ciuic_doctor.rundir.store import as_float
 
     meta = merge_ranks(run.path, run.read_meta())  # every rank's `observed`, disagreements noted
     resolved = resolve_spec(meta, spec_path)

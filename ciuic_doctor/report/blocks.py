@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_bytes, format_size_short
 
 

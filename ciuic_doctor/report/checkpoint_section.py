@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.analysis.checkpoint import cost_figures
-from ciuic_doctor.findings import Finding
 from ciuic_doctor.report.blocks import Section, Table, bytes_cell, generic_content
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 
 _MISSING = ("—", "")
 KNOWN_KINDS = {"config", "save", "load", "resume", "inspect"}

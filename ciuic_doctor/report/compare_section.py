@@ -16,7 +16,7 @@ from ciuic_doctor.compare.change import UNJUDGED, interval, percent
 from ciuic_doctor.compare.steps import job_series
 from ciuic_doctor.report.blocks import Section, Table, bytes_cell
 from ciuic_doctor.report.plots import INK, PALETTE, _pyplot, _text, _thin, busbw_plot, to_svg
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.rundir.store import RunDir, as_float
 
 COLOURS = {"A": PALETTE[6], "B": PALETTE[0]}  # baseline grey, candidate blue
 STYLES = {"A": "--", "B": "-"}

@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, Recommendation, overall_verdict, sort_findings
 from ciuic_doctor.jobs.spec import JobSpec, dump_spec, with_updates
 from ciuic_doctor.recommend import Plan, is_change, setting_kind
+from ciuic_doctor.recommend.tips.seed import Tip
 from ciuic_doctor.report.html import show_value
-from ciuic_doctor.seed_tips import Tip
+from ciuic_doctor.rundir.findings import Finding, Recommendation, overall_verdict, sort_findings
 
 
 def _comment(text: str, width: int = 100) -> list[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, sort_findings
 from ciuic_doctor.report.blocks import Section, Table
+from ciuic_doctor.rundir.findings import Finding, sort_findings
 
 _MISSING = ("—", "")
 

@@ -16,13 +16,13 @@ from importlib import resources
 from typing import Any
 
 from ciuic_doctor import __version__
-from ciuic_doctor.envinfo import redact_env, scrub
-from ciuic_doctor.findings import Finding, overall_verdict, sort_findings
+from ciuic_doctor.jobs.observed import ResolvedSpec, describe_observed
 from ciuic_doctor.jobs.spec import JobSpec
-from ciuic_doctor.observed import ResolvedSpec, describe_observed
+from ciuic_doctor.machine.envinfo import redact_env, scrub
 from ciuic_doctor.recommend import Plan, environment_of, is_change, setting_kind
+from ciuic_doctor.recommend.tips.seed import Tip
 from ciuic_doctor.report.blocks import Section
-from ciuic_doctor.seed_tips import Tip
+from ciuic_doctor.rundir.findings import Finding, overall_verdict, sort_findings
 
 VERDICT_LABEL = {"pass": "pass", "warn": "warn", "fail": "fail", "not_run": "not run"}
 

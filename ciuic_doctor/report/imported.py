@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor.findings import Finding
 from ciuic_doctor.recommend import Plan
-from ciuic_doctor.recommend.tips_base import UNMEASURED, Claim, Tip
+from ciuic_doctor.recommend.tips.base import UNMEASURED, Claim, Tip
 from ciuic_doctor.report.blocks import Section, Table, _cell
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 
 SPEC_KINDS = ("file", "recorded")  # a spec the report may judge the job by
 

@@ -16,13 +16,13 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.rundir.findings import Finding
 
 if TYPE_CHECKING:
     import numpy as np
     import pyarrow as pa
 
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
 COLUMNS = ("t", "pid", "role", "rss", "uss")
 PLOT_PROCESSES = 12  # lines the plot draws (sorted by name), as plots.memwatch_plot did
@@ -41,7 +41,7 @@ class MemwatchSamples(list):
 
 
 def load(run: RunDir) -> MemwatchSamples:
-    from ciuic_doctor.frames import read_stream
+    from ciuic_doctor.rundir.frames import read_stream
 
     if not run.has_stream("memwatch"):
         return MemwatchSamples([], [], "rss")
@@ -99,7 +99,7 @@ def _summaries(table: pa.Table, names: list[str], codes: np.ndarray) -> list[dic
     an int, as the row summary (`sections._processes`) gives them (the table showed "884.0" samples)."""
     import numpy as np
 
-    from ciuic_doctor.frames import float_values
+    from ciuic_doctor.rundir.frames import float_values
 
     count = len(names)
     first, last, last_uss = np.full(count, len(codes)), np.full(count, -1), np.full(count, -1)
@@ -134,7 +134,7 @@ def _at(column: pa.ChunkedArray, rows: np.ndarray) -> np.ndarray:
     import numpy as np
     import pyarrow as pa
 
-    from ciuic_doctor.frames import float_values
+    from ciuic_doctor.rundir.frames import float_values
 
     return np.where(rows >= 0, float_values(column.take(pa.array(np.maximum(rows, 0)))), np.nan)
 
@@ -147,8 +147,8 @@ def _plot_samples(table: pa.Table, names: list[str], codes: np.ndarray, key: str
     import numpy as np
     import pyarrow as pa
 
-    from ciuic_doctor.frames import float_values
     from ciuic_doctor.report.plots import MAX_POINTS, memwatch_series
+    from ciuic_doctor.rundir.frames import float_values
 
     drawn = names[:PLOT_PROCESSES]
     rows = np.flatnonzero(codes < len(drawn))  # the codes count processes in name order

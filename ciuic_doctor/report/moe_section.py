@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, sort_findings
 from ciuic_doctor.report.blocks import Section, Table
+from ciuic_doctor.rundir.findings import Finding, sort_findings
 
 MAX_LINES = 8  # layers drawn one line each; beyond, the worst MAX_LINES
 

@@ -21,8 +21,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_size_short
 
 INK = "#010203"  # placeholder for currentColor; no real plot uses this exact colour

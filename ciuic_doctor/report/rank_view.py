@@ -21,14 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ciuic_doctor.findings import Finding
+from ciuic_doctor.rundir.findings import Finding
 
 if TYPE_CHECKING:
     import numpy as np
     import pandas as pd
 
     from ciuic_doctor.report.step_table import StepTable
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
 COLUMNS = ("rank", "step", "host", "step_time_s", "pre_backward_s", "loss", "skipped", "rss", "uss")
 MEMORY_COLUMNS = ("mem_allocated",)
@@ -59,9 +59,9 @@ class StepRecords(list):
 
 def load_steps(run: RunDir) -> StepRecords:
     """Every rank's report columns (parallel, columnar) and the lowest rank's whole records."""
-    from ciuic_doctor.frames import read_stream
     from ciuic_doctor.report.step_table import StepTable
-    from ciuic_doctor.store import read_jsonl
+    from ciuic_doctor.rundir.frames import read_stream
+    from ciuic_doctor.rundir.store import read_jsonl
 
     files = run.stream_files("steps")
     if not files:

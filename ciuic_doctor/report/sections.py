@@ -10,8 +10,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding, sort_findings
-from ciuic_doctor.frames import read_records
 from ciuic_doctor.report import memwatch_view
 from ciuic_doctor.report.blocks import Section, Table, _cell, _size_cell, bytes_cell, generic_content
 from ciuic_doctor.report.checkpoint_section import checkpoint_content
@@ -22,7 +20,9 @@ from ciuic_doctor.report.moe_section import model_sections, splits_table
 from ciuic_doctor.report.plots import busbw_plot, loader_configs, loader_plot, memwatch_plot, stability_plot
 from ciuic_doctor.report.rank_view import load_steps
 from ciuic_doctor.report.steps_section import job_content, step_memory_svg
-from ciuic_doctor.store import RunDir, as_float
+from ciuic_doctor.rundir.findings import Finding, sort_findings
+from ciuic_doctor.rundir.frames import read_records
+from ciuic_doctor.rundir.store import RunDir, as_float
 
 BUSBW_NOTE = (
     "busbw (bus bandwidth) is nccl-tests' figure: algbw (bytes / time) times a factor per collective "

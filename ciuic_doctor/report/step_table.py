@@ -48,8 +48,8 @@ class StepTable:
         as the columnar reader does with a record of a file (a value of the wrong type becomes null)."""
         import pyarrow as pa
 
-        from ciuic_doctor.columnar_schema import COLUMN_TYPES, _coerce
-        from ciuic_doctor.frames import schema_for
+        from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce
+        from ciuic_doctor.rundir.frames import schema_for
 
         schema = schema_for(columns)
         return cls(
@@ -118,7 +118,7 @@ class StepTable:
         rank has no finite value; of duplicates (a restarted rank), the later row."""
         import numpy as np
 
-        from ciuic_doctor.frames import float_values
+        from ciuic_doctor.rundir.frames import float_values
 
         ranks, steps = self._axes
         grid = np.full((len(ranks), len(steps)), np.nan)
@@ -174,7 +174,7 @@ class StepTable:
         """summarise of every rank (one row each, by rank)."""
         import pandas as pd
 
-        from ciuic_doctor.frames_assemble import plain_strings
+        from ciuic_doctor.rundir.frames.assemble import plain_strings
 
         frames = (plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
         return pd.concat([summarise(frame) for frame in frames], ignore_index=True)

@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ciuic_doctor.findings import Finding
 from ciuic_doctor.report.blocks import Section, Table, _cell, bytes_cell
 from ciuic_doctor.report.rank_view import (
     COLUMNS,
@@ -29,7 +28,8 @@ from ciuic_doctor.report.rank_view import (
     outlier_lines,
 )
 from ciuic_doctor.report.step_table import StepTable
-from ciuic_doctor.store import as_float
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_bytes
 
 STEP_CHECKS = ("step_time", "straggler_onset", "slow_host")
@@ -46,7 +46,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     heat-map on multi-host runs; the per-rank table collapsed to the ranks that matter (+ CSV)."""
     import numpy as np
 
-    from ciuic_doctor.analysis._crossrank import normalised, quiet_nan
+    from ciuic_doctor.analysis.steps.crossrank import normalised, quiet_nan
     from ciuic_doctor.report.band_plots import band_plot, host_heatmap
 
     columns = _step_table(steps)

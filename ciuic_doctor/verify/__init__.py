@@ -26,7 +26,7 @@ from typing import Any
 
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.recommend.verified import STATUSES, VERIFICATION_FILE
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 from ciuic_doctor.verify.plan import JobKind, candidates
 from ciuic_doctor.verify.runner import VERIFY_DIR, JobCommand, Schedule, describe, interleave
 

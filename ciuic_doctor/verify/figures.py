@@ -27,7 +27,7 @@ class RunFigures:
 def run_figures(path: str | Path) -> RunFigures:
     """The job's figures in one run directory (nothing when it left no step records)."""
     from ciuic_doctor.compare.steps import job_series
-    from ciuic_doctor.store import RunDir
+    from ciuic_doctor.rundir.store import RunDir
 
     path = Path(path)
     if not path.is_dir():

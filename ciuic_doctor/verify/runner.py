@@ -110,7 +110,7 @@ def run_once(
         log.seek(0)
         text = log.read()
     if out.is_dir():
-        from ciuic_doctor.store import RunDir
+        from ciuic_doctor.rundir.store import RunDir
 
         RunDir(out).write_text("verify-run.log", text)  # secrets scrubbed, next to the run's records
     return code, _last_line(text)

@@ -40,8 +40,8 @@ from ciuic_doctor.probes.checkpoint.cost import (
 from ciuic_doctor.probes.checkpoint.fidelity import fingerprint, restart, train_steps, without
 from ciuic_doctor.probes.checkpoint.inspection import absent, check_safety, inspect_record
 from ciuic_doctor.probes.checkpoint.options import Variant, parse_drops
-from ciuic_doctor.schemas import RESUME_REFERENCE
-from ciuic_doctor.store import RunDir, default_run_path
+from ciuic_doctor.rundir.schemas import RESUME_REFERENCE
+from ciuic_doctor.rundir.store import RunDir, default_run_path
 from ciuic_doctor.units import format_bytes
 
 PROBE = "checkpoint-check"

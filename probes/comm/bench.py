@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ciuic_doctor import nccl
 from ciuic_doctor.errors import ProbeFailed
 from ciuic_doctor.launch import agree_on_run_dir, init_distributed
+from ciuic_doctor.machine import nccl
 from ciuic_doctor.measures.ranks import slowest_rank
 from ciuic_doctor.probes.comm import table as comm_table
 from ciuic_doctor.probes.comm.collectives import (
@@ -56,7 +56,7 @@ from ciuic_doctor.probes.comm.phases import (
     plan_phases,
     supported,
 )
-from ciuic_doctor.store import RunDir, default_run_path
+from ciuic_doctor.rundir.store import RunDir, default_run_path
 from ciuic_doctor.units import format_size_short
 
 PROBE = "comm-bench"

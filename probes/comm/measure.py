@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ciuic_doctor.nccl import busbw_factor
+from ciuic_doctor.machine.nccl import busbw_factor
 from ciuic_doctor.probes.comm.check import count_wrong, expected, fill_inputs, pattern_for
 from ciuic_doctor.probes.comm.collectives import DTYPES, REDUCING, Shape, allocate, launch
 

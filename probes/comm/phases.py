@@ -3,7 +3,7 @@
 NCCL reads NCCL_ALGO with getenv at every communicator creation (not cached, unlike its integer
 parameters), and PyTorch creates a group's communicator lazily at its first collective. So a forced
 algorithm is: set NCCL_ALGO, create a new group, run one collective on it, restore the variable.
-NCCL_ALGO only steers all_reduce here (per-collective syntax on NCCL ≥ 2.24.3; see ciuic_doctor.nccl);
+NCCL_ALGO only steers all_reduce here (per-collective syntax on NCCL ≥ 2.24.3; see ciuic_doctor.machine.nccl);
 the other collectives run once under NCCL's own choice. gloo has one algorithm per collective.
 
 NCCL's debug settings, in contrast, are read once per process at the first NCCL call: the TUNING log
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ciuic_doctor import nccl
+from ciuic_doctor.machine import nccl
 from ciuic_doctor.probes.comm.collectives import DTYPES, PLACEMENTS, allocate, elem_bytes, launch, shape
 from ciuic_doctor.probes.comm.faults import first_line
 

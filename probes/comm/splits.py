@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 MAX_LAYERS = 8  # the most uneven layers measured (a 61-layer model would take minutes)
 DEFAULT_HIDDEN = 7168  # DeepSeek-V3's hidden size, when the run recorded no model config

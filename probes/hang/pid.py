@@ -24,13 +24,14 @@ from typing import Any
 
 import psutil
 
-from ciuic_doctor import fr_dump, safe_io
 from ciuic_doctor.errors import UserError
-from ciuic_doctor.hang_files import fr_status_of, py_spy_stacks
 from ciuic_doctor.probes.hang.kernel import native_enabled, waits_in_native
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
-from ciuic_doctor.probes.watch.hang_where import process_state
-from ciuic_doctor.store import RunDir, default_run_path
+from ciuic_doctor.probes.watch.hang.where import process_state
+from ciuic_doctor.rundir import safe_io
+from ciuic_doctor.rundir.hang import flight_recorder as fr_dump
+from ciuic_doctor.rundir.hang.files import fr_status_of, py_spy_stacks
+from ciuic_doctor.rundir.store import RunDir, default_run_path
 
 _FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")
 SECOND_LOOK_S = 2.0  # a rank whose main thread is where it was 2 s ago is stuck there
@@ -179,7 +180,8 @@ def _copy_flight_recorder(proc: psutil.Process, rank: int, run_path: Path) -> st
 
     The file is the job's user's (run as root on a user's job, it is someone else's): it is read only
     when it is a regular file owned by the rank's own user (/tmp is shared), not through a symlink, at
-    most safe_io.MAX_PICKLE_BYTES, and it is parsed as data only (fr_dump: no global, so no code runs)
+    most safe_io.MAX_PICKLE_BYTES, and it is parsed as data only (hang.flight_recorder: no global, so no
+    code runs)
     before it is kept. Anything else is left where it is.
     """
     try:

@@ -33,7 +33,7 @@ from typing import Any
 
 from ciuic_doctor.measures.loader_pool import halving_keep, pool
 from ciuic_doctor.probes.loader.measure import LoaderConfig, Plan, measure
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 PROBE = "loader-sweep"
 WORKER_LADDER = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)

@@ -9,7 +9,7 @@ not a sample — start (with NVML's availability, recorded once), each process's
 exits, notes, end — goes to RUN/memwatch_events.jsonl, so every memwatch record is a sample.
 
 It never imports torch (nor anything that does): attaching must not cost the job a CUDA context or
-the watcher a 2-second import. NVML comes through `ciuic_doctor.nvml`, which needs only the driver.
+the watcher a 2-second import. NVML comes through `ciuic_doctor.machine.nvml`, which needs only the driver.
 
 Roles (agent / rank N / worker of rank N) are assigned in `memwatch_tree`.
 
@@ -39,10 +39,10 @@ from typing import Any
 
 import psutil
 
-from ciuic_doctor import nvml
+from ciuic_doctor.machine import nvml
 from ciuic_doctor.probes.memwatch.proc import BasicReader
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
-from ciuic_doctor.store import JsonlWriter, RunDir
+from ciuic_doctor.rundir.store import JsonlWriter, RunDir
 
 STREAM = "memwatch"  # one record per process per sample, nothing else (the report reads it as is)
 EVENTS = "memwatch_events"  # start, process (role, cmdline), exit, note, end

@@ -9,9 +9,9 @@ RUN/hang.rank<R>.json (+ .last.json, hang.fr/) when a rank stops making progress
     session.py    WatchSession: installs the hooks, writes the step records
     hooks.py      the wrappers around torch functions (backward, clip, GradScaler, DDP, Optimizer)
     steps.py      what one step collects; values.py  memory, checksum, deferred device reads
-    observe.py, observe_sections.py  the script's settings -> meta.json `observed`
+    observe/      the script's settings -> meta.json `observed` (sections, values)
     frameworks.py step numbers from Lightning / HF counters; children.py  ranks the script launches
     target.py     the script, directory or -m module watch runs; exit.py  how the process ended
     sentinel.py   a process of its own recording an end no Python code sees (SIGSEGV, SIGKILL)
-    hang.py, hang_last.py, hang_where.py  the hang watchdog; snapshot.py  CUDA allocator history on a leak
+    hang/         the hang watchdog (config, poll, last, where); snapshot.py  CUDA allocator history on a leak
 """

@@ -31,7 +31,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from ciuic_doctor.safe_io import fd_identity
+from ciuic_doctor.rundir.safe_io import fd_identity
 
 _LISTENERS: dict[int, list[Callable[[], None]]] = {}  # signal number -> run on the helper thread
 _HELPER: dict[str, bool] = {"listening": False}

@@ -6,7 +6,7 @@ starts this sentinel (`python -m ciuic_doctor.probes.watch.sentinel RUN PID RANK
 (Ctrl-C and a kill of the job's process group do not reach it; it has nothing to stop). It waits for PID
 to end (a pidfd: woken at once, no polling; /proc polled every 0.2 s where pidfds are missing), and then,
 only if meta.json's probes.watch is still this PID's `running` record, writes the end
-(ciuic_doctor.watch_end): the signal faulthandler named in hang.rank<R>.fatal.txt, else the wait status
+(ciuic_doctor.rundir.watch_end): the signal faulthandler named in hang.rank<R>.fatal.txt, else the wait status
 the kernel holds while the process is a zombie, else `ended_unrecorded`. It imports no torch (about
 40 ms and 15 MiB) and ends right after the watched process.
 """
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_doctor import safe_io, watch_end
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir import safe_io, watch_end
+from ciuic_doctor.rundir.store import RunDir
 
 
 def start(run_path: Path, rank: int) -> subprocess.Popen | None:

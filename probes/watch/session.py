@@ -62,7 +62,7 @@ from ciuic_doctor.probes.watch.values import (
     is_sharded,
     last_step_and_segment,
 )
-from ciuic_doctor.store import RunDir
+from ciuic_doctor.rundir.store import RunDir
 
 _ACTIVE: dict[str, WatchSession] = {}  # "session": the one recording in this process
 

@@ -1,0 +1,305 @@
+"""Judge MoE expert load (stream `moe`, from watch's router hook) and what it costs all_to_all (stream `comm`,
+from `comm-bench --splits-from RUN`).
+
+- `expert_imbalance`: per layer, the load of each expert summed over ranks (with expert parallelism an
+  expert serves every rank's tokens) and over the sampled steps. max/mean is what an expert-parallel MoE
+  layer pays: its time follows the busiest expert's rank, so 1.5 means the layer runs ≥ 50 % longer than
+  balanced (DeepSeek's MaxVio = max/mean − 1, which its auxiliary-loss-free balancing keeps low). Judged
+  on the load summed over the window, a systematic imbalance (persistent hot experts), not on single
+  steps: a step's tokens come in few sequences whose tokens route alike, so per-step max/mean is noisy
+  (the balanced embedded job, 16 sequences a step, reads 1.3–1.9 per step and ≤ 1.23 summed over 8 steps;
+  the per-step median is in the evidence). Threshold max(IMBALANCE_WARN, the multinomial noise floor
+  1 + 3/√(mean tokens per expert)). The hot experts (≥ HOT × mean) and cold ones (≤ COLD × mean) of each
+  layer are named, and the summed max/mean of the first and last third of the samples (does it drift?).
+- `dead_experts`: experts that received no token on any rank in every sample of the last
+  ≥ DEAD_MIN_STEPS steps (at least DEAD_MIN_SAMPLES samples): their parameters train no more.
+- `alltoall_routing` (probe comm): all_to_all with the recorded routing's split sizes beside equal
+  splits of the same volume (medians of the iterations: a shared machine's stalls move means by 2x);
+  the ratio is what the imbalance costs in the dispatch; warn from ALLTOALL_WARN.
+
+Evidence carries what the report draws: the layer × expert load (÷ mean) heat-map and max/mean per layer
+over the sampled steps. Pure functions of records: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.store import RunDir
+
+STREAMS = ("moe", "comm")
+PROBE = "moe"
+IMBALANCE_WARN = 1.5  # busiest expert / mean: the layer's expert-parallel time ≥ 1.5 x balanced
+NOISE_Z = 3.0  # a balanced multinomial's max/mean stays below 1 + 3/sqrt(mean) (z = 3 over <= 256 experts)
+HOT = 1.5
+COLD = 0.5
+DEAD_MIN_STEPS = 10
+DEAD_MIN_SAMPLES = 3
+MAX_NAMED = 5  # experts named per layer
+MAX_LAYERS_NAMED = 5
+MAX_SERIES_POINTS = 200
+ALLTOALL_WARN = 1.5  # routed dispatch >= 1.5 x the even one: the imbalance costs more than noise does
+
+
+def load_table(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """layer -> {"steps": [...], "counts": array [steps, experts] summed over ranks, "ranks": [...],
+    "name": router name}; records whose expert count differs from the layer's first are left out."""
+    by_layer: dict[int, dict[int, np.ndarray]] = defaultdict(dict)
+    ranks: dict[int, set[int]] = defaultdict(set)
+    names: dict[int, str] = {}
+    width: dict[int, int] = {}
+    for r in records:
+        layer, step, counts = r.get("layer"), r.get("step"), r.get("counts")
+        if (
+            not isinstance(layer, int)
+            or not isinstance(step, int)
+            or not isinstance(counts, list)
+            or not counts
+        ):
+            continue
+        if width.setdefault(layer, len(counts)) != len(counts):
+            continue
+        row = np.asarray(counts, dtype=np.float64)
+        steps = by_layer[layer]
+        steps[step] = steps[step] + row if step in steps else row
+        if isinstance(r.get("rank"), int):
+            ranks[layer].add(r["rank"])
+        names.setdefault(layer, str(r.get("name") or f"layer {layer}"))
+    out = {}
+    for layer, steps in sorted(by_layer.items()):
+        order = sorted(steps)
+        out[layer] = {
+            "steps": order,
+            "counts": np.stack([steps[s] for s in order]),
+            "ranks": sorted(ranks[layer]),
+            "name": names[layer],
+        }
+    return out
+
+
+def _ratio(row: np.ndarray) -> float:
+    mean = float(row.mean())
+    return float(row.max()) / mean if mean > 0 else math.nan
+
+
+def layer_stats(entry: dict[str, Any]) -> dict[str, Any]:
+    """One layer's load over the sampled window: max/mean of the summed load (what the warning judges),
+    the median of the per-step max/mean (what a single step pays), CV, hot and cold experts, and the
+    summed-load max/mean of the first and last third of the samples (does it drift?)."""
+    counts: np.ndarray = entry["counts"]
+    total = counts.sum(axis=0)
+    mean = float(total.mean())
+    per_step = [_ratio(row) for row in counts]
+    finite = [v for v in per_step if math.isfinite(v)]
+    third = max(1, len(counts) // 3)
+    share = total / mean if mean > 0 else np.zeros_like(total)
+    order = np.argsort(-share, kind="stable")
+    return {
+        "layer_name": entry["name"],
+        "samples": len(entry["steps"]),
+        "max_over_mean": round(_ratio(total), 3) if mean > 0 else None,
+        "max_over_mean_step_median": round(float(np.median(finite)), 3) if finite else None,
+        "max_over_mean_worst_step": round(max(finite), 3) if finite else None,
+        "max_over_mean_first": round(_ratio(counts[:third].sum(axis=0)), 3) if mean > 0 else None,
+        "max_over_mean_last": round(_ratio(counts[-third:].sum(axis=0)), 3) if mean > 0 else None,
+        "cv": round(float(total.std() / mean), 3) if mean > 0 else None,
+        "tokens_per_expert": round(mean, 1),
+        "noise_floor": round(1 + NOISE_Z / math.sqrt(mean), 3) if mean > 0 else None,
+        "hot": [{"expert": int(e), "load_over_mean": round(float(share[e]), 2)}
+                for e in order[:MAX_NAMED] if share[e] >= HOT],
+        "cold": [{"expert": int(e), "load_over_mean": round(float(share[e]), 2)}
+                 for e in order[::-1][:MAX_NAMED] if share[e] <= COLD],
+        "share": [round(float(v), 3) for v in share],
+        "per_step": per_step,
+    }  # fmt: skip
+
+
+def dead_in(entry: dict[str, Any]) -> tuple[list[int], int | None]:
+    """Experts at zero in every sample of the trailing window, and the first step of that window."""
+    steps, counts = entry["steps"], entry["counts"]
+    if len(steps) < DEAD_MIN_SAMPLES:
+        return [], None
+    dead, since = [], None
+    for expert in range(counts.shape[1]):
+        column = counts[:, expert]
+        nonzero = np.nonzero(column)[0]
+        first_zero = int(nonzero[-1]) + 1 if nonzero.size else 0
+        if first_zero >= len(steps):
+            continue
+        span = steps[-1] - steps[first_zero] + 1
+        if len(steps) - first_zero >= DEAD_MIN_SAMPLES and span >= DEAD_MIN_STEPS:
+            dead.append(expert)
+            since = steps[first_zero] if since is None else min(since, steps[first_zero])
+    return dead, since
+
+
+def analyze(run: RunDir) -> list[Finding]:
+    findings = []
+    if run.has_stream("moe"):
+        table = load_table(run.read("moe").records)
+        if table:
+            findings += [imbalance_finding(table), dead_finding(table)]
+    if run.has_stream("comm"):
+        routed = alltoall_finding(run.read("comm").records)
+        if routed is not None:
+            findings.append(routed)
+    return findings
+
+
+def _series(stats: dict[int, dict[str, Any]], table: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    steps = next(iter(table.values()))["steps"]
+    stride = max(1, math.ceil(len(steps) / MAX_SERIES_POINTS))
+    return {
+        "steps": steps[::stride],
+        "layers": {
+            str(layer): [round(v, 3) if math.isfinite(v) else None for v in s["per_step"][::stride]]
+            for layer, s in stats.items()
+            if table[layer]["steps"] == steps
+        },
+    }
+
+
+def imbalance_finding(table: dict[int, dict[str, Any]]) -> Finding:
+    stats = {layer: layer_stats(entry) for layer, entry in table.items()}
+    judged = {k: s for k, s in stats.items() if s["max_over_mean"] is not None}
+    over = {
+        layer: s
+        for layer, s in judged.items()
+        if s["max_over_mean"] >= max(IMBALANCE_WARN, s["noise_floor"] or 0)
+    }
+    worst = sorted(over, key=lambda k: -over[k]["max_over_mean"])
+    ranks = sorted({r for e in table.values() for r in e["ranks"]})
+    evidence = {
+        "threshold_max_over_mean": IMBALANCE_WARN,
+        "layers": {
+            str(k): {key: v for key, v in s.items() if key not in ("share", "per_step")}
+            for k, s in stats.items()
+        },
+        "heatmap": {"layers": list(stats), "load_over_mean": [s["share"] for s in stats.values()]},
+        "over_steps": _series(stats, table),
+        "ranks": ranks,
+    }
+    if not worst:
+        top = max(judged.values(), key=lambda s: s["max_over_mean"], default=None)
+        figure = f"; the most uneven layer reads {top['max_over_mean']:.2f}" if top else ""
+        return Finding(
+            probe=PROBE,
+            check="expert_imbalance",
+            verdict="pass",
+            summary=f"expert load balanced in {len(stats)} MoE layer(s): busiest expert below "
+            f"{IMBALANCE_WARN}x "
+            f"the mean load over the sampled steps (or within the noise floor){figure}",
+            evidence=evidence,
+            where={"ranks": ranks},
+        )
+    parts = []
+    for layer in worst[:MAX_LAYERS_NAMED]:
+        s = over[layer]
+        hot = ", ".join(f"{h['expert']} ({h['load_over_mean']:.1f}x)" for h in s["hot"]) or "none above 1.5x"
+        drift = ""
+        if s["samples"] >= 6:
+            drift = f", {s['max_over_mean_first']:.2f} -> {s['max_over_mean_last']:.2f} over the run"
+        parts.append(
+            f"layer {layer}: busiest expert {s['max_over_mean']:.2f}x the mean over {s['samples']} sampled "
+            f"step(s) (CV {s['cv']:.2f}, median step {s['max_over_mean_step_median']:.2f}x{drift}); "
+            f"hot experts {hot}"
+        )
+    more = f"; {len(worst) - MAX_LAYERS_NAMED} more layer(s)" if len(worst) > MAX_LAYERS_NAMED else ""
+    return Finding(
+        probe=PROBE,
+        check="expert_imbalance",
+        verdict="warn",
+        summary=f"router sends uneven load in {len(worst)} of {len(stats)} MoE layer(s): "
+        + "; ".join(parts)
+        + more
+        + f". With expert parallelism the layer waits for its busiest expert's rank ({IMBALANCE_WARN}x = "
+        "50 % longer than balanced)",
+        evidence={**evidence, "worst_layers": worst},
+        where={"layers": worst, "ranks": ranks},
+    )
+
+
+def dead_finding(table: dict[int, dict[str, Any]]) -> Finding:
+    dead = {}
+    for layer, entry in table.items():
+        experts, since = dead_in(entry)
+        if experts:
+            dead[layer] = {"experts": experts, "since_step": since, "of": int(entry["counts"].shape[1])}
+    ranks = sorted({r for e in table.values() for r in e["ranks"]})
+    if not dead:
+        samples = min(len(e["steps"]) for e in table.values())
+        note = "" if samples >= DEAD_MIN_SAMPLES else f" (only {samples} sample(s): too few to call one dead)"
+        return Finding(
+            probe=PROBE,
+            check="dead_experts",
+            verdict="pass",
+            summary=f"every expert of {len(table)} MoE layer(s) received tokens{note}",
+            evidence={"min_steps": DEAD_MIN_STEPS, "min_samples": DEAD_MIN_SAMPLES},
+            where={"ranks": ranks},
+        )
+    order = sorted(dead, key=lambda k: -len(dead[k]["experts"]))
+    parts = [
+        f"layer {k}: {len(dead[k]['experts'])} of {dead[k]['of']} experts "
+        f"({', '.join(map(str, dead[k]['experts'][:8]))}{' ...' if len(dead[k]['experts']) > 8 else ''}) "
+        f"since step {dead[k]['since_step']}"
+        for k in order[:MAX_LAYERS_NAMED]
+    ]
+    return Finding(
+        probe=PROBE,
+        check="dead_experts",
+        verdict="warn",
+        summary="experts that received no token on any rank (their weights no longer train): "
+        + "; ".join(parts),
+        evidence={"layers": {str(k): v for k, v in dead.items()}, "min_steps": DEAD_MIN_STEPS},
+        where={"layers": order, "ranks": ranks},
+    )
+
+
+def alltoall_finding(records: list[dict[str, Any]]) -> Finding | None:
+    """Routed vs even all_to_all (comm-bench --splits-from): the slowdown per layer."""
+    pairs: dict[Any, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in records:
+        if (
+            r.get("collective") == "all_to_all"
+            and r.get("splits") in ("routed", "even")
+            and r.get("status", "ok") == "ok"
+        ):
+            pairs[r.get("layer")][r["splits"]] = r
+    rows = []
+    for layer, pair in pairs.items():
+        routed, even = pair.get("routed"), pair.get("even")
+        if not routed or not even or not even.get("time_us_p50") or not routed.get("time_us_p50"):
+            continue
+        rows.append(
+            {
+                "layer": layer,
+                "routed_us": routed["time_us_p50"],
+                "even_us": even["time_us_p50"],
+                "routed_mean_us": routed.get("time_us"),
+                "even_mean_us": even.get("time_us"),
+                "ratio": round(routed["time_us_p50"] / even["time_us_p50"], 3),
+                "bytes_per_rank": routed.get("bytes"),
+                "max_rank_send_bytes": routed.get("max_send_bytes"),
+            }
+        )
+    if not rows:
+        return None
+    rows.sort(key=lambda row: -row["ratio"])
+    top = rows[0]
+    slow = top["ratio"] >= ALLTOALL_WARN
+    return Finding(
+        probe="comm",
+        check="alltoall_routing",
+        verdict="warn" if slow else "pass",
+        summary=f"all_to_all with the recorded routing: layer {top['layer']} takes {top['routed_us']:.0f} us "
+        f"vs {top['even_us']:.0f} us with equal splits of the same volume ({top['ratio']:.2f}x, medians of "
+        f"the iterations); {len(rows)} layer(s) measured"
+        + (f"; the router's imbalance costs the dispatch >= {ALLTOALL_WARN}x" if slow else ""),
+        evidence={"layers": rows, "threshold": ALLTOALL_WARN},
+        where={"layers": [row["layer"] for row in rows if row["ratio"] >= ALLTOALL_WARN]},
+    )

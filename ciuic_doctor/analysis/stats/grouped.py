@@ -1,0 +1,54 @@
+"""Grouped numpy helpers for `throughput.columns`: whether rows are already in a sort order (one
+vectorised pass), and the median of each group.
+
+Why: the steps table comes rank by rank and, within a rank, in step and time order, so the lexsorts
+that put rows in (rank, t) or (rank, segment, step) order, and the lexsort of each median, mostly
+reordered rows that were in order: most of throughput's 2.7 s at 3,000 ranks × 1,000 steps under
+cProfile (grouped_median alone 1.1 s). A check costs a comparison per row; rows out of order are sorted
+as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def in_order(*keys: np.ndarray) -> bool:
+    """Whether np.lexsort(keys) (the last key first, ties in row order) would leave the rows where they
+    are. A NaN compares as out of order (lexsort puts it last): the caller sorts."""
+    import numpy as np
+
+    if len(keys[0]) < 2:
+        return True
+    ordered = np.ones(len(keys[0]) - 1, bool)  # row i ≤ row i + 1 on the keys seen so far
+    for key in keys:  # the least significant first, as lexsort takes them
+        ordered = (key[:-1] < key[1:]) | ((key[:-1] == key[1:]) & ordered)
+    return bool(ordered.all())
+
+
+def grouped_median(group: np.ndarray, values: np.ndarray, count: int) -> np.ndarray:
+    """statistics.median of `values` per group id (0..count-1); NaN for a group with none. Groups that
+    come together (ids not decreasing) are partitioned in place of a sort, all groups of one size at once;
+    the middle values are the same (a NaN is the largest in both)."""
+    import numpy as np
+
+    sizes = np.bincount(group, minlength=count)
+    starts = np.r_[0, np.cumsum(sizes)[:-1]]
+    out = np.full(count, np.nan)
+    if not in_order(group):
+        order = np.lexsort((values, group))
+        v = values[order]
+        has = sizes > 0
+        lo = starts[has] + (sizes[has] - 1) // 2
+        hi = starts[has] + sizes[has] // 2
+        out[has] = np.where(lo == hi, v[lo], (v[lo] + v[hi]) / 2)
+        return out
+    for size in np.unique(sizes[sizes > 0]).tolist():
+        which = np.flatnonzero(sizes == size)
+        lo, hi = (size - 1) // 2, size // 2
+        part = np.partition(values[starts[which, None] + np.arange(size)], sorted({lo, hi}), axis=1)
+        out[which] = part[:, lo] if lo == hi else (part[:, lo] + part[:, hi]) / 2
+    return out

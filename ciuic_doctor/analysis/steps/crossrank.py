@@ -1,0 +1,238 @@
+"""Cross-rank step-time arithmetic for `steps.py`: one ranks × steps matrix (`steps.grid`), every rank
+judged by the same vectorised rules, RANK_BLOCK ranks at a time (`steps.pace`).
+
+The pace of rank r at step s is divided by the (lower) median pace of all ranks at that step: a step that
+is slow everywhere (an eval, a checkpoint, a longer batch) cancels out, and what is left is how much slower
+this rank is than the job's typical rank *at the same step*. From that normalised matrix, per rank:
+
+- level: the median over the run (≥ 1.10 = chronic: slow the whole run);
+- a change point: the split of the run into two segments that best separates their means (CUSUM /
+  binary segmentation, one split, on values clipped to [0, 2] so a single 10× step cannot drag it), with
+  each segment at least MIN_SEGMENT_FRACTION of the run; a shift ≥ 10 % that is significant against the
+  segments' own noise is an onset (fast before, slow after) or a recovery (slow before, fast after);
+- one-off slow steps: steps ≥ 50 % (and 6 robust σ) above the others, on a rank otherwise at pace.
+
+Significance is a z-test on the segment medians: shift > SIGNIFICANCE_Z × σ × √(1/n₁ + 1/n₂), σ the
+segments' pooled MAD (× 1.4826). Z = 5 leaves room for the 1,024 ranks × ~1,000 candidate splits each
+(the best split of pure noise has a z of about 3–4). A chronic straggler passes that test on its
+level, or the one steps.py used before in seconds (excess > 2 × (its MAD + the typical MAD)), which a
+few noisy steps of a small job pass more easily.
+
+Pure numpy; no torch, no records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ciuic_doctor.analysis.steps.grid import (  # noqa: F401 - the report's, steps.py's
+    StepMatrix,
+    step_matrix,
+)
+from ciuic_doctor.analysis.steps.pace import (  # noqa: F401 - quiet_nan, normalised: the report's too
+    MAD_TO_SIGMA,
+    RANK_BLOCK,
+    Seconds,
+    normalised,
+    quiet_nan,
+    row_medians,
+    typical_pace,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+SLOW_FRACTION = 0.10  # a rank ≥ 10 % slower than the others' median is worth acting on
+SIGNIFICANCE_Z = 5.0
+NOISE_MADS = 2.0  # or: the excess in seconds beyond 2 × (its MAD + the typical rank's MAD)
+MIN_SEGMENT_STEPS = 10
+MIN_SEGMENT_FRACTION = 0.05
+ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
+ONE_OFF_SIGMAS = 6.0
+
+
+@dataclass(kw_only=True)
+class RankPace:
+    """How one rank's normalised pace behaves over the run (1.0 = the typical rank)."""
+
+    rank: int
+    host: str | None
+    level: float  # median over the run
+    kind: str  # "ok" | "chronic" | "onset" | "recovered" | "one_off"
+    change_step: int | None = None
+    before: float | None = None
+    after: float | None = None
+    one_off_steps: list[int] = field(default_factory=list)
+
+    @property
+    def excess_pct(self) -> float:
+        """How much slower than the typical rank where it is slow (after an onset, before a recovery)."""
+        slow = {"onset": self.after, "recovered": self.before}.get(self.kind, self.level)
+        return round(100.0 * ((slow if slow is not None else self.level) - 1.0), 2)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "host": self.host, "kind": self.kind}
+        out["excess_pct"] = self.excess_pct
+        if self.change_step is not None:
+            out.update(
+                change_step=self.change_step,
+                before_pct=round(100.0 * ((self.before or 1.0) - 1.0), 2),
+                after_pct=round(100.0 * ((self.after or 1.0) - 1.0), 2),
+            )
+        if self.one_off_steps:
+            out["one_off_steps"] = self.one_off_steps[:10]
+        return out
+
+
+def _change_points(clipped: np.ndarray, min_segment: int) -> np.ndarray:
+    """Per row, the split index k (segments [:k], [k:]) that maximises the between-segment variance."""
+    import numpy as np
+
+    n = clipped.shape[1]
+    cumulative = np.cumsum(clipped, axis=1)
+    total = cumulative[:, -1:]
+    k = np.arange(min_segment, n - min_segment + 1)
+    before = cumulative[:, k - 1] / k
+    after = (total - cumulative[:, k - 1]) / (n - k)
+    score = k * (n - k) / n * (after - before) ** 2
+    return k[np.argmax(score, axis=1)]
+
+
+def _mad(values: np.ndarray) -> float:
+    import numpy as np
+
+    values = values[np.isfinite(values)]
+    if len(values) < 2:
+        return 0.0
+    return float(MAD_TO_SIGMA * np.median(np.abs(values - np.median(values))))
+
+
+def classify(matrix: StepMatrix) -> list[RankPace]:
+    """Every rank's RankPace from the normalised pace matrix, in two passes: the second divides by the
+    median of the ranks the first found at pace, so that a slow host (8 of 32 ranks) does not lift the
+    "typical" rank it is measured against (16 % instead of 18 % with the slow ranks in the median)."""
+    import numpy as np
+
+    seconds = Seconds.of(matrix.pace_s)
+    first = _classify(matrix, typical_pace(matrix.pace_s), seconds)
+    at_pace = np.array([p.kind in ("ok", "one_off") for p in first])
+    if at_pace.all() or at_pace.sum() < 2:
+        return first
+    return _classify(matrix, typical_pace(matrix.pace_s, at_pace), seconds)
+
+
+def _classify(matrix: StepMatrix, typical: np.ndarray, seconds: Seconds) -> list[RankPace]:
+    """RANK_BLOCK ranks at a time: a dozen temporaries of the block's shape are alive at once (165 MiB
+    over the whole matrix at 3,000 ranks × 1,000 steps)."""
+    out: list[RankPace] = []
+    for lo in range(0, len(matrix.ranks), RANK_BLOCK):
+        with quiet_nan():
+            norm = matrix.pace_s[lo : lo + RANK_BLOCK] / typical
+        out.extend(_classify_block(matrix, norm, lo, seconds))
+    return out
+
+
+def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seconds) -> list[RankPace]:
+    """The RankPace of the ranks from `lo` on, `norm` their normalised pace."""
+    import numpy as np
+
+    level = row_medians(norm)
+    n_steps = norm.shape[1]
+    min_segment = max(MIN_SEGMENT_STEPS, int(MIN_SEGMENT_FRACTION * n_steps))
+    fill = np.where(np.isfinite(norm), norm, level[:, None])
+    clipped = np.clip(np.nan_to_num(fill, nan=1.0), 0.0, 2.0)
+    del fill
+    splits = _change_points(clipped, min_segment) if n_steps >= 2 * min_segment else None
+    if splits is not None:
+        k_idx = np.arange(n_steps)[None, :] < splits[:, None]
+        with quiet_nan():
+            mean_before = np.where(k_idx, clipped, 0).sum(axis=1) / splits
+            mean_after = np.where(~k_idx, clipped, 0).sum(axis=1) / (n_steps - splits)
+        candidates = np.abs(mean_after - mean_before) >= SLOW_FRACTION / 2
+    else:
+        candidates = np.zeros(len(norm), dtype=bool)
+    del clipped
+    # one-off steps: far above the others at that step, counted on every rank (vectorised)
+    with quiet_nan():
+        deviation = np.abs(norm - level[:, None])
+        sigma = MAD_TO_SIGMA * row_medians(deviation)
+        spikes = norm - level[:, None] >= np.maximum(ONE_OFF_FRACTION, ONE_OFF_SIGMAS * sigma)[:, None]
+    del deviation
+    out: list[RankPace] = []
+    for i, rank in enumerate(matrix.ranks[lo : lo + len(norm)].tolist()):
+        pace = RankPace(rank=rank, host=matrix.hosts[lo + i], level=float(level[i]), kind="ok")
+        row = norm[i]
+        if candidates[i]:
+            k = int(splits[i])
+            first, second = row[:k], row[k:]
+            before, after = float(np.nanmedian(first)), float(np.nanmedian(second))
+            pooled = np.concatenate([first - before, second - after])
+            sigma_seg = _mad(pooled)
+            n1, n2 = np.isfinite(first).sum(), np.isfinite(second).sum()
+            noise = SIGNIFICANCE_Z * sigma_seg * float(np.sqrt(1 / max(n1, 1) + 1 / max(n2, 1)))
+            shift = after - before
+            if abs(shift) >= SLOW_FRACTION and abs(shift) > noise:
+                slow, fast = (after, before) if shift > 0 else (before, after)
+                if slow - 1.0 >= SLOW_FRACTION and fast - 1.0 < SLOW_FRACTION:
+                    pace.kind = "onset" if shift > 0 else "recovered"
+                    pace.change_step = int(matrix.steps[k])
+                    pace.before, pace.after = before, after
+        if pace.kind == "ok" and level[i] - 1.0 >= SLOW_FRACTION:
+            n = int(np.isfinite(row).sum())
+            z_test = level[i] - 1.0 > SIGNIFICANCE_Z * float(sigma[i]) / max(1.0, np.sqrt(n))
+            excess = seconds.median[lo + i] - seconds.typical
+            if z_test or excess > NOISE_MADS * (seconds.mad[lo + i] + seconds.typical_mad):
+                pace.kind = "chronic"
+        one_off = matrix.steps[spikes[i]].tolist()
+        if one_off:
+            pace.one_off_steps = [int(s) for s in one_off]
+            if pace.kind == "ok":
+                pace.kind = "one_off"
+        out.append(pace)
+    return out
+
+
+@dataclass(kw_only=True)
+class HostPace:
+    host: str
+    ranks: list[int]
+    flagged: list[int]
+    excess_pct: float
+    change_step: int | None
+
+
+HOST_FLAGGED_FRACTION = 0.75  # "all ranks of one host", with room for one rank that sits at the threshold
+
+
+def slow_hosts(paces: list[RankPace]) -> tuple[list[HostPace], int]:
+    """Hosts (≥ 2 ranks) where ≥ 75 % of the ranks are slow: a host problem, not a rank problem.
+
+    Returns (slow hosts worst first, number of hosts seen)."""
+    import statistics
+
+    by_host: dict[str, list[RankPace]] = {}
+    for pace in paces:
+        if pace.host is not None:
+            by_host.setdefault(pace.host, []).append(pace)
+    total = sum(len(v) for v in by_host.values())
+    out = []
+    for host, members in by_host.items():
+        flagged = [p for p in members if p.kind in ("chronic", "onset", "recovered")]
+        if (
+            len(members) < 2
+            or len(flagged) < HOST_FLAGGED_FRACTION * len(members)
+            or 2 * len(members) > total
+        ):
+            continue
+        changes = [p.change_step for p in flagged if p.change_step is not None]
+        out.append(
+            HostPace(
+                host=host,
+                ranks=sorted(p.rank for p in members),
+                flagged=[p.rank for p in sorted(flagged, key=lambda p: -p.excess_pct)],
+                excess_pct=round(statistics.median(p.excess_pct for p in flagged), 2),
+                change_step=int(statistics.median(changes)) if len(changes) * 2 > len(flagged) else None,
+            )
+        )
+    return sorted(out, key=lambda h: -h.excess_pct), len(by_host)

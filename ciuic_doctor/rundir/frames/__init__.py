@@ -1,0 +1,484 @@
+"""Columnar reading of a run's streams for the analyses and the report: only the columns asked for, every
+file of a stream in parallel, with pyarrow's JSON reader (or the Parquet file `ciuic-doctor compact` wrote
+beside a stream file, when it is up to date).
+
+Why pyarrow: measured side by side on this project's 2-core machine, shared with other work
+(`benchmarks/columnar_readers.py --ranks 256`: 256 files, 133 MiB, 512,000 rows, 7 columns): pyarrow
+1.0 s wall / 1.2 s CPU, Polars 0.9 s / 0.8 s, DuckDB 2.3 s / 1.0 s, the row reader (`json.loads` per
+line) 13.9 s / 5.0 s. Polars is as fast, but its `ignore_errors` nulls a wrong value without saying so
+(we must count them), and pyarrow is also the Parquet library that `compact` writes with: one
+dependency for both. The row reader (`RunDir.read`) stays for small streams and for code that wants
+whole records; this module sits beside it and does not change it.
+
+Bad content never raises, it is counted, exactly as the row reader counts it: a line that is not a JSON
+object is dropped (`dropped_lines`), a record off its stream's schema is dropped and counted with its
+reason (`invalid_records`, `invalid_reasons`: `schemas.validate`'s words), and the stream's reader
+problems land in `RunDir.read_problems` for the `records_readable` finding. Validation is column-wise
+(`columnar_schema`): pyarrow parses each file with every schema field typed strictly, which is the
+type test `validate` makes of every record. A file that fails it (a "nan" string the store wrote for a
+non-finite float, a wrong type, a torn line in the middle) is read again record by record with
+`json.loads` and `validate` (the rare path); a torn *last* line is read apart, so a crashed rank's file
+stays on the fast path. A free field's value of the wrong type for its column becomes null
+(`nulled_values`).
+
+>>> import tempfile, pathlib
+>>> folder = pathlib.Path(tempfile.mkdtemp())
+>>> lines = '{"rank":0,"step":1,"loss":"nan"}\\n{"rank":0,"step":2,"loss":2.5}\\n{"ra'
+>>> _ = (folder / "steps.rank0.jsonl").write_text(lines)
+>>> read = read_table([folder / "steps.rank0.jsonl"], ("rank", "step", "loss"))
+>>> read.table.column("step").to_pylist(), read.dropped_lines
+([1, 2], 1)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ciuic_doctor.rundir import columnar_schema
+from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
+from ciuic_doctor.rundir.frames.assemble import Assembler, add_big, plain_strings, task_bytes
+from ciuic_doctor.rundir.frames.parts import BigFile, Part, _batches, _read_batch, _read_range
+from ciuic_doctor.rundir.store import RunDir, StreamRead
+from ciuic_doctor.rundir.stream_read import _open_regular
+
+if TYPE_CHECKING:
+    import pandas
+    import pyarrow
+    import pyarrow.json
+
+__all__ = [
+    "COLUMN_TYPES",
+    "TableRead",
+    "arrow_type",
+    "read_records",
+    "read_stream",
+    "read_table",
+    "schema_for",
+]
+
+MAX_THREADS = 8
+
+
+@dataclass(kw_only=True)
+class TableRead:
+    """What a columnar read found: the table, and what it had to drop (lines) or null (values)."""
+
+    table: pyarrow.Table
+    files: list[Path] = field(default_factory=list)
+    dropped_lines: int = 0
+    nulled_values: dict[str, int] = field(default_factory=dict)
+    invalid_records: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    parquet_files: int = 0
+
+    def frame(self) -> pandas.DataFrame:
+        """The table as pandas (numpy-backed columns; null ints become float NaN), one block per column:
+        pandas' default consolidation stacks every float column into one new 2-D block (a second copy of
+        them all at its peak; 1.2 GB for the report's steps columns at 10,000 ranks), and a column without
+        nulls stays a view of the table instead of a copy."""
+        return self.table.to_pandas(split_blocks=True)
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+    def select(self, columns: Sequence[str], *, encoded: bool = False) -> TableRead:
+        """The same read, `columns` only (counts kept: they describe the files, not the columns), with
+        plain strings where the cached table keeps a column dictionary-encoded (`frames.assemble`), or
+        with the codes as they are (`encoded`: for a reader that looks up a few values, such as a rank's
+        host; the plain copy of a host column is 120 MB at 10,000 ranks × 1,000 steps)."""
+        table = self.table.select(list(dict.fromkeys(columns)))
+        return TableRead(
+            table=table if encoded else plain_strings(table),
+            files=self.files,
+            dropped_lines=self.dropped_lines,
+            nulled_values=self.nulled_values,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
+            parquet_files=self.parquet_files,
+        )
+
+    def problems(self) -> str | None:
+        """What was skipped, in the row reader's words (`StreamRead.problems`); None when nothing was."""
+        return StreamRead(
+            skipped_lines=self.dropped_lines,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
+        ).problems()
+
+
+# ---- one file ------------------------------------------------------------------------------------
+
+
+def _rows(lines: Iterable[bytes], columns: Sequence[str], stream: str | None) -> Part:
+    """The slow, forgiving path, record by record as `store.read_jsonl` reads: a line that is not a JSON
+    object is dropped, a record `schemas.validate` refuses is dropped and counted with its reason, and
+    each value kept is coerced to its column's type (a free field's wrong value nulled and counted)."""
+    import pyarrow as pa
+
+    from ciuic_doctor.rundir.schemas import validate
+
+    kinds = [COLUMN_TYPES.get(c, "float64") for c in columns]
+    values: list[list[Any]] = [[] for _ in columns]
+    dropped, nulled, invalid = 0, dict.fromkeys(columns, 0), {}
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            dropped += 1
+            continue
+        if not isinstance(record, dict):
+            dropped += 1
+            continue
+        reason = validate(stream, record) if stream else None
+        if reason is not None:
+            invalid[reason] = invalid.get(reason, 0) + 1
+            continue
+        for column, kind, out in zip(columns, kinds, values, strict=True):
+            value, bad = _coerce(record.get(column), kind)
+            out.append(value)
+            nulled[column] += bad
+    schema = schema_for(columns)
+    table = pa.table(
+        {c: pa.array(v, type=schema.field(c).type) for c, v in zip(columns, values, strict=True)}
+    )
+    return table, dropped, {c: n for c, n in nulled.items() if n}, invalid
+
+
+def _read_rows(path: Path, columns: Sequence[str], stream: str | None) -> Part:
+    with os.fdopen(_open_regular(path), "rb") as fh:
+        return _rows(fh, columns, stream)
+
+
+class _Prefix(io.RawIOBase):
+    """The first `size` bytes of a file, for pyarrow to read block by block (a torn tail left out)."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self._fh = os.fdopen(_open_regular(path), "rb")
+        self._left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        want = min(len(buffer), self._left)
+        if want <= 0:
+            return 0
+        data = self._fh.read(want)
+        buffer[: len(data)] = data
+        self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
+def _layout(path: Path) -> tuple[int, int, bytes]:
+    """(bytes of whole lines, newlines among them, the torn last line after them): one sequential read in
+    16 MiB pieces (no file-sized buffer, no mapping whose pages would count as our memory). A line a
+    crash left without its newline is read apart, so it cannot send the whole file down the slow path."""
+    lines, size, last = 0, 0, -1
+    with os.fdopen(_open_regular(path), "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            lines += chunk.count(b"\n")
+            if (at := chunk.rfind(b"\n")) >= 0:
+                last = size + at
+            size += len(chunk)
+        cut = last + 1
+        fh.seek(cut)
+        tail = fh.read()
+    return cut, lines, tail
+
+
+def _read_jsonl(path: Path, columns: Sequence[str], stream: str | None) -> Part:
+    """pyarrow's JSON reader with every field of the stream's schema typed strictly: a parse that succeeds,
+    with as many records as lines, has validated every record column-wise (`columnar_schema`). Anything
+    else sends the file to `_read_rows`, which judges each record as the row reader does."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    plan = columnar_schema.plan(stream, columns)
+    if plan is None:
+        return _read_rows(path, columns, stream)
+    whole, lines, tail = _layout(path)
+    parse = pj.ParseOptions(explicit_schema=plan.parse_schema, unexpected_field_behavior=plan.unexpected)
+    source = str(path) if not tail else _Prefix(path, whole)
+    try:  # one thread a file: the files themselves are read in parallel, a big one in pieces (read_table)
+        table = pj.read_json(source, read_options=pj.ReadOptions(use_threads=False), parse_options=parse)
+        parsed = (table.num_rows, plan.valid(table), *plan.conform(table))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return _read_rows(path, columns, stream)
+    finally:
+        if not isinstance(source, str):
+            source.close()
+    rows, valid, out, nulled = parsed
+    # two records on one line parse as two rows here and as one bad line there: the counts must agree
+    if rows != lines or not valid:
+        return _read_rows(path, columns, stream)
+    return _with_tail([out], nulled, tail, columns, stream)
+
+
+def _with_tail(
+    tables: list[pyarrow.Table],
+    nulled: dict[str, int],
+    tail: bytes,
+    columns: Sequence[str],
+    stream: str | None,
+) -> Part:
+    """A file's parsed whole lines, and the torn line after them judged by the row path."""
+    import pyarrow as pa
+
+    if tail.strip():
+        part, dropped, more, invalid = _rows([tail], columns, stream)
+        tables.append(part)
+        for column, count in more.items():
+            nulled[column] = nulled.get(column, 0) + count
+    else:
+        dropped, invalid = 0, {}
+    return (tables[0] if len(tables) == 1 else pa.concat_tables(tables)), dropped, nulled, invalid
+
+
+def _read_parquet(path: Path, columns: Sequence[str]) -> pyarrow.Table:
+    """Only `columns` of a compacted file; columns `compact` stored as JSON text are decoded and coerced."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ciuic_doctor.rundir.parquet_store import JSON_COLUMNS_KEY
+
+    parquet = pq.ParquetFile(path)
+    names = set(parquet.schema_arrow.names)
+    json_columns = set(json.loads((parquet.metadata.metadata or {}).get(JSON_COLUMNS_KEY, b"[]")))
+    present = [c for c in columns if c in names]
+    table = parquet.read(columns=present, use_threads=False)
+    out = {}
+    for column in columns:
+        kind = arrow_type(column)
+        if column not in names:
+            out[column] = pa.nulls(table.num_rows, type=kind)
+        elif column in json_columns:
+            decoded = (None if v is None else json.loads(v) for v in table.column(column).to_pylist())
+            out[column] = pa.array(
+                [_coerce(v, COLUMN_TYPES.get(column, "float64"))[0] for v in decoded], type=kind
+            )
+        else:
+            try:
+                out[column] = table.column(column).cast(kind)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out[column] = pa.array(
+                    [
+                        _coerce(v, COLUMN_TYPES.get(column, "float64"))[0]
+                        for v in table.column(column).to_pylist()
+                    ],
+                    type=kind,
+                )
+    return pa.table(out)
+
+
+def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[Part, bool]:
+    from ciuic_doctor.rundir.parquet_store import fresh_parquet, invalid_reasons, skipped_lines
+
+    parquet = fresh_parquet(path) if path.suffix == ".jsonl" else None
+    if parquet is not None:  # compact kept only valid records; what it left out still counts
+        return (_read_parquet(parquet, columns), skipped_lines(parquet), {}, invalid_reasons(parquet)), True
+    return _read_jsonl(path, columns, stream), False
+
+
+def read_table(
+    files: Iterable[Path], columns: Sequence[str], stream: str | None = None, *, encoded: bool = False
+) -> TableRead:
+    """`columns` of every valid record in `files` (file order, then line order), files read in parallel.
+    `stream` names the schema the records must fit (default: the stream the first file's name says).
+    `encoded`: string columns of few values stay dictionary-encoded (the cache keeps them so; `select`
+    decodes them for a reader).
+
+    Small files (a rank's steps) are parsed BATCH_BYTES at a time (`_read_batch`): at 10,000 ranks the
+    per-file cost of a parse and its checks (~4 ms) outweighed the parse itself."""
+
+    import pyarrow as pa
+
+    from ciuic_doctor.rundir.schemas import stream_of
+
+    files = list(files)
+    columns = list(dict.fromkeys(columns))
+    if stream is None and files:
+        stream = stream_of(files[0].name)
+    tasks = _batches(files, stream)
+    units = [  # what the threads do: a task, or one piece of a big file
+        (task, piece)
+        for task in tasks
+        for piece in (range(len(task.ranges)) if isinstance(task, BigFile) else [None])
+    ]
+
+    def work(unit: tuple[list[Path] | BigFile, int | None]) -> Any:
+        task, piece = unit
+        if isinstance(task, BigFile):
+            return _read_range(task.path, *task.ranges[piece], columns, stream)
+        return _read_task(task, columns, stream)
+
+    def by_row(path: Path) -> Part:  # a big file a piece of which failed its checks
+        return _read_rows(path, columns, stream)
+
+    def lines_by_row(lines: list[bytes]) -> Part:  # a big file's torn last line
+        return _rows(lines, columns, stream)
+
+    threads = max(1, min(MAX_THREADS, len(units), (os.cpu_count() or 1) * 2))
+    sizes = [task_bytes(task) for task in tasks]  # what the rows to reserve are estimated from
+    table = Assembler(total_bytes=sum(sizes))
+    parts: list[tuple[Part, bool]] = []  # each part's counts; its table is let go once copied
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        done = pool.map(work, units)  # in order, each result let go by the pool as it is taken
+        for task, size in zip(tasks, sizes, strict=True):
+            if isinstance(task, BigFile):
+                parts.append((add_big(task, done, table, by_row, lines_by_row), False))
+                continue
+            read = next(done)
+            for (part, *rest), parquet in read:
+                table.add(part, nbytes=size // len(read))
+                parts.append(((None, *rest), parquet))
+            part = read = None
+    if not parts:
+        return TableRead(table=schema_for(columns).empty_table())
+    built = table.table()
+    pa.default_memory_pool().release_unused()  # the parse's blocks, kept by mimalloc: 88 MB at 3,000 ranks
+    result = TableRead(
+        table=built if encoded else plain_strings(built),
+        files=files,
+        dropped_lines=sum(p[0][1] for p in parts),
+        parquet_files=sum(p[1] for p in parts),
+    )
+    for (_, _, nulled, invalid), _ in parts:
+        for column, count in nulled.items():
+            result.nulled_values[column] = result.nulled_values.get(column, 0) + count
+        for reason, count in invalid.items():
+            result.invalid_reasons[reason] = result.invalid_reasons.get(reason, 0) + count
+            result.invalid_records += count
+    return result
+
+
+def _read_task(paths: list[Path], columns: Sequence[str], stream: str | None) -> list[tuple[Part, bool]]:
+    if len(paths) > 1 and (part := _read_batch(paths, columns, stream)) is not None:
+        return [(part, False)]
+    return [_read_one(path, columns, stream) for path in paths]
+
+
+# What the analyses and the report read of a stream, all together: the first reader reads them all, the
+# others take their columns from the cached table (one parse of a 1.2 GB run instead of five).
+STREAM_COLUMNS = {
+    "steps": (
+        *("rank", "step", "t", "host", "step_time_s", "pre_backward_s", "weights_checksum", "desync_ranks"),
+        *("loss", "lr", "grad_norm", "loss_scale", "skipped", "clip_max_norm", "rss", "uss"),
+        *("mem_allocated", "mem_reserved", "mem_active_peak", "alloc_retries", "inactive_split_bytes"),
+        *("loss_scale_next", "optimizer", "tokens", "segment"),
+    ),
+    "memwatch": (
+        *("t", "host", "pid", "role", "rank", "rss", "anon", "uss", "pss"),
+        *("gpu_bytes", "gpu_total_bytes", "sys_available_bytes"),
+    ),
+}
+CACHED_STREAMS = 2  # steps and memwatch, the two streams that grow with ranks × time
+_CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
+
+
+def _stamp(files: list[Path]) -> tuple:
+    from ciuic_doctor.rundir.parquet_store import parquet_path, source_stamp
+
+    def copy_stamp(jsonl: Path) -> bytes:
+        # a Parquet copy made (or removed) since the last read changes the stamp too; stat only, its
+        # metadata is read once per file by the read itself (4,096 files × every caller otherwise)
+        target = parquet_path(jsonl)
+        return source_stamp(target) if target.is_file() else b""
+
+    return tuple((str(f), source_stamp(f), copy_stamp(f)) for f in files)
+
+
+def clear_cache() -> None:
+    """Forget the cached tables (tests that rewrite a stream within one second of reading it)."""
+    _CACHE.clear()
+
+
+def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bool = False) -> TableRead:
+    """`columns` of every valid record of `stream` (shared file first, then per-rank files in rank order);
+    what the reader skipped goes to `run.read_problems[stream]`, in the row reader's words. `encoded`:
+    strings of few values (host, role) stay dictionary-encoded (`TableRead.select`).
+
+    The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
+    the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept."""
+    files = run.stream_files(stream)
+    key, stamp = (str(run.path.resolve()), stream), _stamp(files)
+    cached = _CACHE.get(key)
+    if cached is not None and cached[0] == stamp and set(columns) <= set(cached[1].table.column_names):
+        read = cached[1]
+    else:
+        _CACHE.pop(key, None)
+        read = read_table(files, [*columns, *STREAM_COLUMNS.get(stream, ())], stream, encoded=True)
+        while len(_CACHE) >= CACHED_STREAMS:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (stamp, read)
+    _note_problems(run, stream, read)
+    return read.select(columns, encoded=encoded)
+
+
+def _note_problems(run: RunDir, stream: str, read: TableRead) -> None:
+    problems = "; ".join(p for p in (run._irregular.get(stream), read.problems()) if p)
+    if problems:
+        run.read_problems[stream] = problems
+
+
+def read_records(run: RunDir, stream: str) -> list[dict[str, Any]]:
+    """Every valid record of a small stream whose records nest (comm's per-rank times, the loader's
+    worker lists, checkpoint fingerprints, memwatch's process events), as dicts: the row reader, whose
+    validation the columnar path matches (tests/test_frames_validation.py). These streams hold a table
+    of sizes or a sweep, tens to thousands of lines at any job size; a stream that grows with ranks ×
+    time (steps, memwatch samples) is read with `read_stream`."""
+    if not run.has_stream(stream):
+        return []
+    return run.read(stream).records
+
+
+def float_values(column: pyarrow.ChunkedArray, null: float = float("nan")) -> Any:
+    """A column as float64 numpy with nulls as `null`: a read-only view of the table's buffer when the
+    column is float64 without nulls (pyarrow's fill_null copies even then: 80 MB a column at 10,000
+    ranks × 1,000 steps), else one copy.
+
+    >>> import pyarrow as pa
+    >>> float_values(pa.chunked_array([[1, None]])).tolist()
+    [1.0, nan]
+    """
+    import pyarrow as pa
+
+    if not pa.types.is_float64(column.type):
+        column = column.cast(pa.float64())
+    if column.null_count:
+        column = column.fill_null(null)
+    return column.to_numpy()
+
+
+def last_per_rank(run: RunDir, stream: str, columns: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Each rank's record with the highest `step` (the later one on a tie), `columns` of it only: the
+    hang analysis's "last step record" without reading 2 M records into dicts."""
+    import pyarrow.compute as pc
+
+    wanted = list(dict.fromkeys(["rank", "step", *columns]))
+    table = read_stream(run, stream, wanted).table
+    table = table.filter(pc.is_valid(table["rank"]))
+    if not table.num_rows:
+        return {}
+    import numpy as np
+
+    rank = table["rank"].to_numpy()
+    step = table["step"].fill_null(0).to_numpy()
+    order = np.lexsort((np.arange(len(rank)), step, rank))  # by rank, then step, then position
+    last = order[np.r_[rank[order][1:] != rank[order][:-1], True]]
+    rows = table.take(last).to_pylist()
+    return {row["rank"]: {k: v for k, v in row.items() if k in wanted} for row in rows}

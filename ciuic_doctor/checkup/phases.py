@@ -8,7 +8,6 @@ script in checkup/script.py); it sits below both so that neither imports the oth
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
@@ -26,15 +25,10 @@ class Phase:
     """One step of the checkup as meta.json records it (the report reads `reason` for not-run sections)."""
 
     name: str
-    status: str = "pending"  # ok | failed | timeout | missing | skipped
+    status: str = "pending"  # ok | failed | timeout | skipped
     seconds: float = 0.0
     reason: str = ""
     argv: list[str] = field(default_factory=list)
-
-
-def _available(command: str) -> bool:
-    module = command.replace("-", "_")
-    return importlib.util.find_spec(f"ciuic_doctor.commands.{module}") is not None
 
 
 def _die_with_us():  # -> Callable[[], None] | None
@@ -101,9 +95,6 @@ class Checkup:
     ) -> tuple[Phase, subprocess.Popen | None]:
         """Start `python -m ciuic_doctor <argv>`, or `<launcher> -m ciuic_doctor <argv>` (torchrun)."""
         phase = Phase(name=name, argv=argv)
-        if not _available(name):
-            phase.status, phase.reason = "missing", f"the {name} command is not available in this build"
-            return phase, None
         self.say(name, "running...")
         # The raw output may echo a secret: it goes to an anonymous temp file (gone even after a crash or
         # Ctrl-C), and only its scrubbed copy reaches the run directory.

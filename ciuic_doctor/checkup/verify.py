@@ -9,15 +9,14 @@ import time
 
 def verify_phase(args: argparse.Namespace) -> int:
     """Verify the checkup in args.out; 0 when verification ran, whatever it found."""
-    from ciuic_doctor.commands.verify import options_from
     from ciuic_doctor.report import build_report
     from ciuic_doctor.rundir.store import RunDir
-    from ciuic_doctor.verify import lines, verify_run
+    from ciuic_doctor.verify import lines, options_from_args, verify_run
 
     run = RunDir.open(args.out)
     started = time.perf_counter()
     print(f"\ncheckup --verify: each recommended change on the job, within {args.budget:.0f} s", flush=True)
-    data = verify_run(run, options_from(args), say=lambda text: print(text, flush=True))
+    data = verify_run(run, options_from_args(args), say=lambda text: print(text, flush=True))
     result = build_report(run, spec_path=args.spec, include_unverified=args.include_unverified)
     run.update_meta(
         checkup={"verify": {"seconds": round(time.perf_counter() - started, 1), "rounds": data["rounds"]}}

@@ -73,33 +73,13 @@ def add_budget(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def options_from(args: argparse.Namespace) -> object:
-    from ciuic_doctor.errors import UserError
-    from ciuic_doctor.probes.watch.overrides import parse_value
-    from ciuic_doctor.verify import Options
-
-    tries: list[tuple[str, object]] = []
-    for item in getattr(args, "tries", []) or []:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--try {item!r}: expected KEY=VALUE, e.g. --try dataloader.num_workers=4")
-        tries.append((key.strip(), parse_value(text.strip())))
-    return Options(
-        budget_s=args.budget,
-        steps=args.verify_steps,
-        max_rounds=args.max_rounds,
-        tries=tries,
-        only_tries=bool(tries) and not getattr(args, "with_recommendations", False),
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.report import build_report
     from ciuic_doctor.rundir.store import RunDir
-    from ciuic_doctor.verify import lines, verify_run
+    from ciuic_doctor.verify import lines, options_from_args, verify_run
 
     run_dir = RunDir.open(args.run)
-    options = options_from(args)
+    options = options_from_args(args)
     data = verify_run(run_dir, options, say=lambda text: print(text, flush=True))
     result = build_report(run_dir, include_unverified=args.include_unverified)
     print(f"\nverified in {data['seconds']:.0f} s ({data['rounds']} round(s)):")

@@ -44,6 +44,26 @@ class Options:
     only_tries: bool = False  # --try given: the recommendations are left out unless --with-recommendations
 
 
+def options_from_args(args: Any) -> Options:
+    """Options from `verify`'s and `checkup --verify`'s shared flags (--budget, --verify-steps,
+    --max-rounds, --try KEY=VALUE, --with-recommendations); a malformed --try is one line (UserError)."""
+    from ciuic_doctor.probes.watch.overrides import parse_value
+
+    tries: list[tuple[str, object]] = []
+    for item in getattr(args, "tries", []) or []:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--try {item!r}: expected KEY=VALUE, e.g. --try dataloader.num_workers=4")
+        tries.append((key.strip(), parse_value(text.strip())))
+    return Options(
+        budget_s=args.budget,
+        steps=args.verify_steps,
+        max_rounds=args.max_rounds,
+        tries=tries,
+        only_tries=bool(tries) and not getattr(args, "with_recommendations", False),
+    )
+
+
 def _injections(job_run: dict[str, Any]) -> list[str]:
     """The run's injected faults in --inject form, so A and B carry the same demonstration."""
     inj = job_run.get("injections") if isinstance(job_run.get("injections"), dict) else {}

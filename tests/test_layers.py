@@ -23,7 +23,7 @@ FORBIDDEN = {
     "compare": {"cli", "commands", "checkup", "report", "probes", "verify"},
     "recommend": {"cli", "commands", "checkup", "report", "probes", "verify"},
     "report": {"cli", "commands", "checkup", "probes", "verify"},
-    "verify": {"cli", "commands", "checkup"},  # issue 21: re-runs the job; the report only reads its file
+    "verify": {"cli", "commands", "checkup"},  # re-runs the job; the report only reads its file
     # the live view (top, export) reads /proc and run directories and judges with analysis' rules
     "live": {"cli", "commands", "checkup", "report", "probes", "jobs"},
     "measures": {
@@ -38,7 +38,13 @@ FORBIDDEN = {
         "jobs",
     },
 }
-FORBIDDEN["mfu"] = FORBIDDEN["measures"]  # FLOPs and peaks: pure arithmetic on the floor (issue 27)
+FORBIDDEN["mfu"] = FORBIDDEN["measures"]  # FLOPs and peaks: pure arithmetic on the floor
+# the run directory (every file format) and the machine's facts are the floor too: everything reads runs
+# through them, so they import nothing above them
+FORBIDDEN["rundir"] = FORBIDDEN["measures"] | {"importers", "live", "verify", "mfu"}
+FORBIDDEN["machine"] = FORBIDDEN["rundir"] | {"rundir"}
+# checkup runs phases; it names them itself and never reaches up into the sub-commands
+FORBIDDEN["checkup"] = {"cli", "commands"}
 
 
 def _modules() -> dict[str, Path]:
@@ -151,3 +157,76 @@ def test_every_probe_package_says_what_it_measures_and_writes():
     for package in sorted(p for p in probes.iterdir() if (p / "__init__.py").exists()):
         doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
         assert "Writes" in doc or "writes" in doc, f"{package.name}/__init__.py: say what it writes"
+
+
+MAX_MODULES_PER_FOLDER = 20  # commands/ (one module per sub-command) holds 18
+FAMILY = 3  # three modules sharing a name prefix are a package
+
+
+def _folders() -> list[Path]:
+    return sorted({p.parent for base in ("ciuic_doctor", "probes") for p in (ROOT / base).rglob("*.py")})
+
+
+def test_no_folder_over_twenty_modules():
+    """torchtitan's rule of thumb: a concern gets a folder once it has three files; a folder past ~20 is
+    split by concern."""
+    crowded = {
+        str(folder.relative_to(ROOT)): n
+        for folder in _folders()
+        if (n := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES_PER_FOLDER
+    }
+    assert not crowded, crowded
+
+
+def prefix_families(names: list[str]) -> dict[str, list[str]]:
+    """Module names grouped by the word before their first underscore (a leading one ignored).
+
+    >>> prefix_families(["hang", "hang_last", "hang_poll", "hooks"])
+    {'hang': ['hang', 'hang_last', 'hang_poll']}
+    """
+    groups: dict[str, list[str]] = {}
+    for name in sorted(names):
+        groups.setdefault(name.lstrip("_").split("_")[0], []).append(name)
+    return {prefix: members for prefix, members in groups.items() if len(members) >= FAMILY}
+
+
+def test_prefix_families_are_packages():
+    families = {
+        str(folder.relative_to(ROOT)): found
+        for folder in _folders()
+        if (found := prefix_families([p.stem for p in folder.glob("*.py") if p.name != "__init__.py"]))
+    }
+    assert not families, families
+
+
+def test_prefix_families_are_found():
+    """The rule above can fail: the families the flat analysis/ had are caught."""
+    flat = ["memory", "_memory_data", "_memory_leaks", "stability", "_stability_curve", "steps", "_desync"]
+    assert prefix_families(flat) == {"memory": ["_memory_data", "_memory_leaks", "memory"]}
+
+
+def test_analysis_is_one_package_per_analysis():
+    """analysis/ holds packages; the only loose modules are its front and what is not a family."""
+    from ciuic_doctor.analysis import analysis_modules
+
+    analyses = {m.__name__.rsplit(".", 1)[-1] for m in analysis_modules()}
+    expected = {"checkpoint", "comm", "hang", "loader", "memory", "moe", "stability", "steps", "throughput"}
+    assert analyses == expected
+    loose = sorted(p.name for p in (ROOT / "ciuic_doctor" / "analysis").glob("*.py"))
+    assert loose == ["__init__.py", "run_end.py"]
+    assert len(list((ROOT / "ciuic_doctor").glob("*.py"))) <= 10
+
+
+def test_declared_packages_match_the_tree():
+    """pyproject.toml lists every package (a wheel built from it must hold verify/, rundir/, ...)."""
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "ciuic_doctor").rglob("__init__.py")
+    }
+    on_disk |= {
+        ".".join(("ciuic_doctor", *p.parent.relative_to(ROOT).parts))
+        for p in (ROOT / "probes").rglob("__init__.py")
+    }
+    assert on_disk <= declared, sorted(on_disk - declared)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ciuic_doctor.checkup.phases import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
-from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
 from ciuic_doctor.commands.verify import add_budget
 
 NAME = "checkup"
@@ -56,14 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
         "checkup --baseline <first run>)",
     )
-    parser.add_argument(  # issue 21
-        "--set",
-        dest="set_items",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="check the job with this setting changed (job-spec key, TOML value; repeatable): any spec key "
-        "for the embedded job, the `watch --set` keys for a script",
+    add_set(
+        parser,
+        "check the job with this setting changed: any spec key for the embedded job, the `watch --set` keys "
+        "for a script",
     )
     verify = parser.add_argument_group("try the recommendations on the job: checkup --verify")
     verify.add_argument(

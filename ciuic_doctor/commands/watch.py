@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -119,16 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the accelerator's dense peak TFLOP/s for MFU, when the built-in table does not know it (a CPU "
         "run, a new device); kept in meta.json for analyze",
     )
-    parser.add_argument(  # issue 21
-        "--set",
-        dest="set_items",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="run the script with this setting changed (job-spec key, TOML value; repeatable): "
-        "dataloader.num_workers / prefetch_factor / pin_memory / persistent_workers, "
-        "precision.init_scale / growth_interval, optim.clip_max_norm, distributed.timeout_s, "
-        "distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to ends it with exit 2",
+    add_set(
+        parser,
+        "run the script with this setting changed: dataloader.num_workers / prefetch_factor / pin_memory / "
+        "persistent_workers, precision.init_scale / growth_interval, optim.clip_max_norm, "
+        "distributed.timeout_s, distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to "
+        "ends it with exit 2",
     )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there

@@ -2,7 +2,7 @@
 
 Every number a user types is checked here, once, with one clear line when it is wrong: `inf`, `nan` and
 `1e308` are refused before they reach `time.sleep`, `timedelta` or a size loop, where they raised
-OverflowError (issue 11).
+OverflowError.
 
 >>> positive_float("0.5")
 0.5

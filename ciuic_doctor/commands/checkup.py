@@ -101,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.rundir.store import default_run_path
 
     args.out = str(default_run_path("checkup", args.out))  # one folder for the checkup and its verify
-    if script := checkup_script.script_argv(args):  # issue 14: the user's own script
+    if script := checkup_script.script_argv(args):  # the user's own script
         from ciuic_doctor.probes.watch.overrides import parse
 
-        parse(args.set_items)  # issue 21: a bad --set is refused before anything runs
+        parse(args.set_items)  # a bad --set is refused before anything runs
         code = checkup_script.run(args, script)
     else:
         code = _run_embedded(args)
-    if args.verify:  # issue 21
+    if args.verify:
         from ciuic_doctor.checkup.verify import verify_phase
 
         return verify_phase(args) or code
@@ -149,7 +149,7 @@ def _run_embedded(args: argparse.Namespace) -> int:
     check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
-    if args.set_items:  # issue 21: every phase (and the report) runs the job as --set changed it
+    if args.set_items:  # every phase (and the report) runs the job as --set changed it
         from ciuic_doctor.jobs.spec import dump_spec
 
         args.spec = str(run_dir.write_text("checkup-spec.toml", dump_spec(spec)).resolve())

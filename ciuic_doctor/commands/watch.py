@@ -94,14 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
     )
-    parser.add_argument(  # issue 26
+    parser.add_argument(
         "--metrics-port",
         type=positive_int,
         metavar="N",
         help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
         "started by local rank 0 in a process of its own; it ends with the job)",
     )
-    parser.add_argument(  # issue 27: probes/watch/moe.py
+    parser.add_argument(  # probes/watch/moe.py
         "--moe-every",
         type=positive_int,
         default=10,
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     check_target(argv)
-    from ciuic_doctor.probes.watch import overrides as watch_overrides  # issue 21; no torch here
+    from ciuic_doctor.probes.watch import overrides as watch_overrides  # no torch here
 
     settings = watch_overrides.parse(args.set_items)  # unknown keys, bad values: exit 2 before running
     args.start_cwd = os.getcwd()  # the script may chdir; verify starts it where the user did
@@ -182,10 +182,10 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.probes.watch import sentinel
 
         sentinel.start(session.run.path, session.rank)
-    if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
+    if args.peak_tflops and session.rank == 0 and not args.child:
         session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
     started = time.time()
-    if args.metrics_port and not args.child:  # issue 26: one exporter per node, outside this process
+    if args.metrics_port and not args.child:  # one exporter per node, outside this process
         from ciuic_doctor.live.exporter import should_start, start_exporter
 
         if should_start():
@@ -214,12 +214,12 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)  # e.g. --steps ended it before the first-step check
             forced.refused, code = line, watch_overrides.REFUSED_EXIT
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
-        status = "refused" if forced.refused else status  # issue 21: a --set key it gives no hold to
+        status = "refused" if forced.refused else status  # a --set key it gives no hold to
     except BaseException:  # our own failure around the script: still say how it ended
         status = "failed"
         raise
     finally:
-        forced.close()  # issue 21: before watch's own hooks go
+        forced.close()  # before watch's own hooks go
         undo_exit()
         disarm(code)
         session.close()

@@ -2,7 +2,7 @@
 vectorised pass over a flat (series, x, y) table.
 
 Why: a 1,024-rank run judged rank by rank called robust_trend 4,114 times and np.median 540,000 times
-(73 s of a 136 s report, issue 25). Here the series are binned together (the same `MAX_POINTS` bins of
+(73 s of a 136 s report). Here the series are binned together (the same `MAX_POINTS` bins of
 equal point counts, median x and y per bin, as `stats.trend._binned`), series of equal binned length are
 stacked into a matrix, and the Theil–Sen slope, intercept, R² over the inliers and Mann–Kendall z are
 computed per row, a block of rows at a time (`PAIRS_PER_BLOCK` pairwise slopes: ~8 MB of float64).
@@ -10,7 +10,7 @@ Row by row the figures equal robust_trend's (the same medians of the same number
 last bit from summation order).
 
 Series are given as one table sorted by series id (`RankSeries`); `warm` drops each series' warm-up the
-way `memory._warm` does, with an optional first x per series (`start`: issue 23's "from the first
+way `memory._warm` does, with an optional first x per series (`start`: "from the first
 optimizer step" hook), and `fit` returns a `Trends` of arrays, one entry per series id.
 """
 

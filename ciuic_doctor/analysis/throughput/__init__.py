@@ -101,12 +101,30 @@ def throughput_finding(rates: dict[int, float]) -> Finding:
     )
 
 
+def _mfu_missing(rates: dict[int, float], config: Any, seq_len: Any) -> str:
+    """Why MFU cannot be computed, as a clause: what is not recorded, named one by one."""
+    if not rates:
+        return "no token counts in the step records"
+    absent = [
+        name
+        for name, ok in (("config", isinstance(config, dict)), ("sequence length", isinstance(seq_len, int)))
+        if not ok
+    ]
+    noun = " and ".join(absent)
+    verb = "are" if len(absent) > 1 else "is"
+    return f"the model's {noun} {verb} not recorded (meta.json model.config, model.seq_len)"
+
+
 def mfu_finding(rates: dict[int, float], meta: dict[str, Any]) -> Finding:
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     config, seq_len = model.get("config"), model.get("seq_len")
     if not rates or not isinstance(config, dict) or not isinstance(seq_len, int):
-        missing = "token counts" if not rates else "the model's config and sequence length (meta.json model)"
-        return Finding(probe=PROBE, check="mfu", verdict="not_run", summary=f"MFU not computed: no {missing}")
+        return Finding(
+            probe=PROBE,
+            check="mfu",
+            verdict="not_run",
+            summary=f"MFU not computed: {_mfu_missing(rates, config, seq_len)}",
+        )
     try:
         flops = flops_per_token(config, seq_len=seq_len, mtp_layers=model.get("mtp_layers_run"))
     except ConfigError as exc:

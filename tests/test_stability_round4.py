@@ -13,8 +13,8 @@ from __future__ import annotations
 import csv
 import io
 
-import logsynth as ls  # noqa: F401  (the classes below use both generators)
-import logsynth_formats as lf  # noqa: F401
+import logsynth as ls
+import logsynth_formats as lf
 import numpy as np
 import pytest
 
@@ -42,6 +42,35 @@ def decay(n: int, start: float, floor: float, *, noise: float, seed: int, tau: f
     rng = np.random.default_rng(seed)
     t = np.arange(n, dtype=float)
     return (floor + (start - floor) * np.exp(-t / tau)) * np.exp(rng.normal(0, noise, n))
+
+
+# ---- 1. a short log that blows up ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [[12.5, 40.8, 39.6, 41.2], [14.1, 13.9, 76.8, 70.2, 74.5], [12.5, 12.2, 40.8, 40.1]],
+    ids=["4-points", "5-points-5.4x", "late"],
+)
+def test_a_short_megatron_log_that_blows_up_and_stays_up_fails_divergence(tmp_path, loss):
+    run = lf.curve_run(np.array(loss, dtype=float))
+    _, findings = judged(tmp_path, "train.log", ls.megatron_log(run, interval=1))
+    divergence = one(findings, "divergence")
+    assert divergence.verdict == "fail", divergence.summary
+    jump = next(i for i in range(1, len(loss)) if loss[i] > 3 * min(loss[:i]))
+    assert divergence.where["step"] == jump + 1
+    assert f"its best {min(loss[:jump]):.4g}" in divergence.summary
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [[12.5, 11.8, 11.2, 10.9], [12.4, 41.0, 12.1, 11.5, 11.0], [10.9, 9.8, 9.1, 8.7, 8.6], [3.2, 6.1, 5.9]],
+    ids=["falling", "recovered", "falling-5", "3-points-2x"],
+)
+def test_a_short_log_that_falls_or_comes_back_does_not_diverge(tmp_path, loss):
+    run = lf.curve_run(np.array(loss, dtype=float))
+    _, findings = judged(tmp_path, "train.log", ls.megatron_log(run, interval=1))
+    assert one(findings, "divergence").verdict == "not_run"
 
 
 # ---- 4. a Lightning CSV without `train_loss` --------------------------------------------------------

@@ -73,6 +73,44 @@ def test_a_short_log_that_falls_or_comes_back_does_not_diverge(tmp_path, loss):
     assert one(findings, "divergence").verdict == "not_run"
 
 
+# ---- 2. per-step losses of a small batch: hard batches while the loss still falls fast -------------
+
+
+def small_batch_run(*, noise: float, grad: bool, real_spike: bool = False):
+    """400 per-step losses falling fast (3.0 -> 0.9, tau 120 steps) with ten one-step hard batches of
+    3-4.75x, each back on the curve at the next step; `real_spike` adds a 3x rise that lasts 8 steps."""
+    n = 400
+    loss = decay(n, 3.0, 0.9, noise=noise, seed=1, tau=120)
+    rng = np.random.default_rng(2)
+    at = np.sort(rng.choice(np.arange(20, 280), 10, replace=False))
+    loss[at] *= rng.uniform(3.0, 4.75, len(at))
+    if real_spike:
+        loss[330:338] *= 3.0
+    norms = np.exp(rng.normal(0, 0.2, n)) if grad else np.full(n, np.nan)
+    return lf.curve_run(loss, grad_norm=norms, lr=np.full(n, 1e-4)), at
+
+
+@pytest.mark.parametrize(
+    ("name", "noise", "grad"),
+    [("trainer_state.json", 0.08, True), ("metrics.csv", 0.08, True), ("metrics.csv", 0.15, False)],
+    ids=["hf-logging-steps-1", "lightning-per-batch", "lightning-no-grad-norm"],
+)
+def test_one_step_hard_batches_of_a_small_batch_run_are_one_calm_finding(tmp_path, name, noise, grad):
+    run, at = small_batch_run(noise=noise, grad=grad)
+    text = ls.hf_state(run, logging_steps=1) if name.endswith(".json") else ls.lightning_csv(run, every=1)
+    _, findings = judged(tmp_path, name, text)
+    assert raised(findings, "loss_spike") == [], [f.summary for f in raised(findings, "loss_spike")]
+    calm = one(findings, "loss_outliers")
+    assert calm.evidence["hard_batches"] == len(at)
+    assert calm.evidence["max_magnitude"] > 3.0
+
+
+def test_a_rise_that_lasts_beside_hard_batches_still_warns(tmp_path):
+    run, _ = small_batch_run(noise=0.08, grad=True, real_spike=True)
+    _, findings = judged(tmp_path, "trainer_state.json", ls.hf_state(run, logging_steps=1))
+    assert [f.where["step"] for f in raised(findings, "loss_spike")] == [331]
+
+
 # ---- 4. a Lightning CSV without `train_loss` --------------------------------------------------------
 
 

@@ -46,6 +46,12 @@ LEAD_STEPS = 100  # a grad-norm spike up to this many steps before a loss spike 
 # `_step`, nanoGPT, torchtitan; 1.5–2.3× blips every 50 steps). Not where a row is an interval's
 # mean: a mean that doubles hides a far bigger step, and the row's one grad norm cannot vouch for the rest.
 OUTLIER_MAX_MAGNITUDE = 3.0
+# A row that is one step's loss on a small batch (batch 1-32: HF `logging_steps=1`, Lightning per batch)
+# swings further: public fine-tunes of that kind have hard batches of 3-4.75x with the grad norm calm and
+# the next step back on the curve while the loss still falls fast. There, where a per-step grad norm vouches
+# for the row or the row is a one-step sample within SAMPLED_MAX_Z of the log's own noise, a blip up to
+# ONE_STEP_MAX_MAGNITUDE is a hard batch. A per-step row with neither (a mean with no grad norm) keeps 3x.
+ONE_STEP_MAX_MAGNITUDE = 5.0
 OUTLIER_MAX_POINTS = 2
 # Where no per-step grad norm vouches for it, a one-step sample's blip (nanoGPT, modded-nanogpt, Lightning
 # `_step`, torchtitan) is the log's own heavy-tailed batch noise when it is within this many robust σ of the
@@ -77,8 +83,7 @@ def spikes(
         raw = [s for s in raw if s.recovered_after_steps is not None]
     has_grad = int(np.isfinite(curve.grad_norm).sum()) >= MIN_POINTS  # 0.0 is a norm
     grad = grad_spikes if has_grad else None
-    events = merge_events(raw, curve.step)
-    outliers = [s for s, parts in events if parts == 1 and _hard_batch(curve, s, grad)]
+    events, outliers = _fold_hard_batches(curve, raw, grad)
     reference = start_level(curve.vocab_size)
     judged = [
         judge(
@@ -92,7 +97,6 @@ def spikes(
             lr=curve.lr,
         )
         for s, parts in events
-        if s not in outliers
     ]
     minor = [j for j in judged if j.verdict == "minor"]
     raised = [j for j in judged if j.verdict != "minor"]
@@ -121,13 +125,30 @@ def spikes(
     return [j.spike for j in raised], grad_spikes, findings
 
 
+def _fold_hard_batches(
+    curve: Curve, raw: list[Spike], grad: list[Spike] | None
+) -> tuple[list[tuple[Spike, int]], list[Spike]]:
+    """(events to judge, hard batches): an event of at most OUTLIER_MAX_POINTS detector spikes, each a hard
+    batch on its own (back on the curve at once), is those hard batches. Two one-step blips two rows apart
+    merge into one event, yet the curve was back between them: two hard batches, not one 3-row excursion."""
+    events: list[tuple[Spike, int]] = []
+    outliers: list[Spike] = []
+    for event, parts in merge_events(raw, curve.step):
+        inside = [r for r in raw if event.start_step <= r.start_step <= event.end_step]
+        if parts <= OUTLIER_MAX_POINTS and all(_hard_batch(curve, r, grad) for r in inside):
+            outliers += inside
+        else:
+            events.append((event, parts))
+    return events, outliers
+
+
 def _hard_batch(curve: Curve, spike: Spike, grad: list[Spike] | None) -> bool:
     """At most OUTLIER_MAX_POINTS points, back right after, at most OUTLIER_MAX_MAGNITUDE×, on a per-step
     row (with a grad norm read that did not spike before or with it) or on a sampled row of a log that
     samples one step every N (with no grad-norm spike there either, where the log has grad norms)."""
     if spike.points > OUTLIER_MAX_POINTS or spike.recovered_after_steps is None:
         return False
-    if spike.magnitude > OUTLIER_MAX_MAGNITUDE:
+    if spike.magnitude > ONE_STEP_MAX_MAGNITUDE:
         return False
     row = int(np.searchsorted(curve.step, spike.start_step))
     if row >= len(curve.step) or curve.step[row] != spike.start_step:
@@ -138,6 +159,9 @@ def _hard_batch(curve: Curve, spike: Spike, grad: list[Spike] | None) -> bool:
     if not vouched and not (
         sampled and math.log(spike.magnitude) <= SAMPLED_MAX_Z * _noise_sigma(curve.loss)
     ):
+        return False
+    one_step = sampled or (per_step and vouched)
+    if spike.magnitude > (ONE_STEP_MAX_MAGNITUDE if one_step else OUTLIER_MAX_MAGNITUDE):
         return False
     near = _near_steps(curve)
     return not any(spike.start_step - near <= g.start_step <= spike.end_step for g in grad or [])

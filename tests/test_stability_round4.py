@@ -111,6 +111,35 @@ def test_a_rise_that_lasts_beside_hard_batches_still_warns(tmp_path):
     assert [f.where["step"] for f in raised(findings, "loss_spike")] == [331]
 
 
+# ---- 3. a flat noisy band: its end against a level it held, not one lucky minimum -------------------
+
+
+def noisy_band(seed: int, *, n: int = 300, doubling: float | None = None):
+    """A per-step loss that learned nothing more: flat around 1.2 with 45 % noise (small batches), or the
+    same band that then doubles every `doubling` steps from its middle."""
+    rng = np.random.default_rng(seed)
+    loss = 1.2 * np.exp(rng.normal(0, 0.45, n))
+    if doubling:
+        loss *= np.exp(np.clip(np.arange(n) - n // 2, 0, None) * np.log(2) / doubling)
+    return lf.curve_run(loss, grad_norm=np.exp(rng.normal(0, 0.2, n)))
+
+
+@pytest.mark.parametrize("seed", [4, 8, 14])  # the band "ended 1.5x its best" on these seeds
+def test_a_flat_noisy_band_does_not_diverge_from_one_lucky_minimum(tmp_path, seed):
+    _, findings = judged(tmp_path, "trainer_state.json", ls.hf_state(noisy_band(seed), logging_steps=1))
+    divergence = one(findings, "divergence")
+    assert divergence.verdict == "pass", divergence.summary
+
+
+@pytest.mark.parametrize("seed", [4, 8, 14])
+def test_a_noisy_band_that_then_climbs_still_diverges(tmp_path, seed):
+    run = noisy_band(seed, doubling=50.0)
+    _, findings = judged(tmp_path, "trainer_state.json", ls.hf_state(run, logging_steps=1))
+    divergence = one(findings, "divergence")
+    assert divergence.verdict == "fail", divergence.summary
+    assert 120 <= divergence.where["step"] <= 200
+
+
 # ---- 4. a Lightning CSV without `train_loss` --------------------------------------------------------
 
 

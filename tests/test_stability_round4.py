@@ -176,3 +176,47 @@ def test_lightning_takes_the_total_loss_not_the_first_component(tmp_path, total)
     assert log.table["loss"].median() > 1.0  # the main/total loss, not the 0.05 auxiliary one
     [spike] = raised(findings, "loss_spike")
     assert spike.where["step"] == spike_step
+
+
+# ---- 5. llm.c and modded-nanogpt: a hard batch seen in the loss and the grad norm at one step -----------
+
+
+def pretraining(n: int = 3000, seed: int = 9):
+    loss = decay(n, 10.9, 3.3, noise=0.01, seed=seed, tau=200)
+    grad = 0.3 * np.exp(np.random.default_rng(seed).normal(0, 0.1, n))
+    return loss, grad
+
+
+def test_a_loss_blip_with_one_grad_norm_reading_at_its_step_is_one_hard_batch(tmp_path):
+    loss, grad = pretraining()
+    loss[1500] *= 1.09
+    grad[1500] *= 3.0
+    _, findings = judged(tmp_path, "main.log", lf.llmc_main_log(lf.curve_run(loss, grad_norm=grad)))
+    assert raised(findings, "loss_spike") == []
+    assert raised(findings, "grad_norm_spike") == []
+    assert one(findings, "loss_outliers").evidence["why"] == {"paired": 1}
+    assert one(findings, "grad_norm_outliers").evidence["steps"] == [1500]
+
+
+def test_a_grad_norm_spike_a_step_before_a_loss_blip_still_warns(tmp_path):
+    loss, grad = pretraining()
+    loss[1500] *= 1.09
+    grad[1498] *= 8.0
+    _, findings = judged(tmp_path, "main.log", lf.llmc_main_log(lf.curve_run(loss, grad_norm=grad)))
+    assert [f.where["step"] for f in raised(findings, "loss_spike")] == [1500]
+
+
+def test_two_adjacent_outliers_that_come_straight_back_in_a_modded_nanogpt_record(tmp_path):
+    loss, _ = pretraining(seed=10)
+    loss[1500:1502] *= 1.48
+    log, findings = judged(tmp_path, "record.txt", lf.modded_log(lf.curve_run(loss)))
+    assert log.loss_kind == "sample"
+    assert raised(findings, "loss_spike") == []
+    assert one(findings, "loss_outliers").evidence["why"] == {"whole": 1}
+
+
+def test_a_rise_that_lasts_in_a_modded_nanogpt_record_still_warns(tmp_path):
+    loss, _ = pretraining(seed=10)
+    loss[1500:1506] *= 1.48
+    _, findings = judged(tmp_path, "record.txt", lf.modded_log(lf.curve_run(loss)))
+    assert [f.where["step"] for f in raised(findings, "loss_spike")] == [1501]

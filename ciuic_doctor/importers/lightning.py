@@ -5,18 +5,21 @@ train row leaves the val columns empty, and metrics logged by different calls at
 different rows). A metric logged with both on_step and on_epoch appears as `<name>_step` and
 `<name>_epoch`. The loss is the first of: `train_loss_step`, `train_loss`, `loss_step`, `loss`,
 `train/loss`, a total (`total_loss`, `train_total_loss`, ...); else, of the train columns with "loss" in
-their name, the total a model logs beside its components: the column that is the sum of the others on the
-rows that have them all, else the largest by median (a sum of non-negative terms is at least each term;
-taking the first by the alphabet dated a spike by a small component); an epoch mean (`train_loss_epoch`,
-`loss_epoch`) when no per-step column exists. Learning rate:
-LearningRateMonitor's `lr-<Optimizer>`; grad norm: `grad_2.0_norm_total` (lightning's grad_norm utility) or
-a column named like grad_norm; eval loss: `val_loss` (or a val* column with "loss" in its name).
+their name, the total a model logs beside its components: the one named as an aggregate (`mean_loss`,
+`avg_loss`, `sum_loss`: a PINN's metrics.csv logs four component losses and their `mean_loss`), else the
+column that is the sum or the mean of the others on the rows that have them all, else the largest by
+median (a sum of non-negative terms is at least each term; taking the first by the alphabet dated a spike
+by a small component); an epoch mean (`train_loss_epoch`, `loss_epoch`) when no per-step column exists.
+Learning rate: LearningRateMonitor's `lr-<Optimizer>`; grad norm: `grad_2.0_norm_total` (lightning's
+grad_norm utility) or a column named like grad_norm; eval loss: `val_loss` (or a val* column with "loss"
+in its name).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 
 from ciuic_doctor.errors import UserError
@@ -30,6 +33,8 @@ _TOTAL_NAMES = tuple(
     for tail in ("_step", "")
 )
 _EPOCH_NAMES = ("train_loss_epoch", "loss_epoch", "train/loss_epoch")
+# a column named as the aggregate of the others: `mean_loss`, `loss_total`, `avg_loss`, `train/sum_loss`
+_AGGREGATE = re.compile(r"(^|[_/])(total|mean|avg|average|sum|combined|overall)([_/]|$)")
 SUM_TOLERANCE = 1e-3  # relative: the total equals the sum of its components up to the printed digits
 _NONFINITE = ("nan", "inf", "-inf", "infinity", "-infinity", "+inf")
 _VAL_NAMES = ("val_loss", "val_loss_epoch", "val/loss", "valid_loss", "validation_loss")
@@ -128,12 +133,16 @@ def _loss_column(frame, columns: list[str]) -> str | None:
     train = [c for c in columns if c not in ("step", "epoch") and "loss" in c.lower() and _is_train(c)]
     if len(train) <= 1:
         return train[0] if train else _pick(columns, _EPOCH_NAMES, lambda c: False)
+    named = [c for c in train if _AGGREGATE.search(c.lower())]
+    if len(named) == 1:
+        return named[0]
     values = pd.DataFrame({c: pd.to_numeric(frame[c].str.strip(), errors="coerce") for c in train})
     together = values.dropna()
     for column in train:
-        others = together.drop(columns=column).sum(axis=1)
+        others = together.drop(columns=column)
         scale = together[column].abs().clip(lower=1e-12)
-        if len(together) and ((together[column] - others).abs() <= SUM_TOLERANCE * scale).all():
-            return column
+        for combined in (others.sum(axis=1), others.mean(axis=1)):
+            if len(together) and ((together[column] - combined).abs() <= SUM_TOLERANCE * scale).all():
+                return column
     medians = values.median()
     return str(medians.idxmax()) if medians.notna().any() else train[0]

@@ -1,4 +1,4 @@
-"""A loss of both signs (a policy gradient's): named, judged only where it means something.
+"""A loss below zero (a policy gradient's): named, judged only where it means something.
 
 pytorch/examples' reinforcement_learning/reinforce.py solves CartPole with one optimizer step per episode
 on −Σ log π(a|s) × (normalized return): the loss is negative about as often as positive and its size grows
@@ -46,7 +46,7 @@ def test_a_policy_gradient_loss_is_named_and_not_judged_by_its_level(tmp_path):
 
     found = by_check(stability.analyze(policy_gradient_run(tmp_path)))
     assert found["divergence"].verdict == "not_run"
-    assert "both signs" in found["divergence"].summary
+    assert "goes below 0" in found["divergence"].summary
     assert "policy-gradient" in found["divergence"].summary
     assert found["loss_spike"].verdict == "not_run"
     assert found["nonfinite_loss"].verdict == "pass"
@@ -73,8 +73,8 @@ def test_longer_episodes_are_not_stalls(tmp_path):
 
 @pytest.mark.parametrize("negatives", [0, 1])
 def test_a_supervised_loss_with_one_stray_negative_value_is_still_judged(negatives):
-    from ciuic_doctor.analysis.stats.signs import both_signs
+    from ciuic_doctor.analysis.stats.signs import below_zero
 
     loss = np.linspace(3.0, 1.0, 100)
     loss[50 : 50 + negatives] = -0.5
-    assert both_signs(loss) is None
+    assert below_zero(loss) is None

@@ -90,12 +90,12 @@ def _judge(
     from ciuic_doctor.analysis.stability import checks
     from ciuic_doctor.analysis.stability.scaler_findings import scaler
     from ciuic_doctor.analysis.stability.series_kind import no_learning, signed_findings
-    from ciuic_doctor.analysis.stats.signs import both_signs
+    from ciuic_doctor.analysis.stats.signs import below_zero
 
     curve.loss_kind, curve.vocab_size = log.loss_kind, log.vocab_size
     curve.eval_loss = list(log.eval_loss) if curve.series == 0 else []  # the log's eval is its main run's
     findings: list[Finding] = no_learning(curve)
-    signs = both_signs(curve.loss)
+    signs = below_zero(curve.loss)
     if signs is not None:  # no floor at zero: the loss's level is not judged (stability.series_kind)
         findings += signed_findings(signs, checks._nonfinite_tail(curve))
         # the grad norm is still judged, on its own: a pass without the loss (its findings are replaced)

@@ -6,7 +6,7 @@
   a generator loss that rises means the discriminator got better, not that training broke (dcgan's G
   loss ends at 1.9x its best on a healthy run). Such series are not judged for divergence by their level;
   non-finite values and spikes still are.
-- **A loss of both signs** (stats.signs: a policy gradient's −log π × return, a WGAN critic) has no floor
+- **A loss below zero** (stats.signs: a policy gradient's −log π × return, a WGAN critic) has no floor
   at zero: "ends 1.5x its best" and "spiked 3x" mean nothing there. The series is named, its divergence and
   loss spikes not judged; a NaN/inf tail still fails, non-finite values and grad-norm spikes still count.
 - **Zero is a value.** A loss or a gradient norm of exactly 0.0 (or -0.0) is a measurement. A gradient
@@ -93,7 +93,7 @@ def _distinct(values: np.ndarray) -> list[float]:
 
 
 def signed_findings(signs: Signs, tail: int | None) -> list[Finding]:
-    """The divergence and loss_spike findings of a loss of both signs: not judged by its level (what the
+    """The divergence and loss_spike findings of a loss below zero: not judged by its level (what the
     series is, said in each), except a NaN/inf tail, which fails divergence."""
     said = signs.describe()
     evidence = {"signed": True, "negative": signs.negative, "points": signs.points}

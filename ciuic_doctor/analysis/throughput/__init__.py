@@ -70,7 +70,7 @@ def analyze(run: RunDir) -> list[Finding]:
 
 
 def _loss_signs(table) -> Signs | None:
-    """Whether the recorded loss takes both signs (stats.signs: a policy gradient's, whose steps are
+    """Whether the recorded loss goes below zero (stats.signs: a policy gradient's, whose steps are
     episodes of unequal length), counted by pyarrow without a copy of the column."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -239,7 +239,7 @@ def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None
 
 
 def goodput_finding(good: dict[int, dict[str, float]], signs: Signs | None = None) -> Finding:
-    """The goodput of the worst rank. With a loss of both signs (`signs`: a policy gradient's, one step an
+    """The goodput of the worst rank. With a loss below zero (`signs`: a policy gradient's, one step an
     episode) a step that takes longer did more work, so time over the typical step is not called a stall
     and low goodput is not warned."""
     if not good:
@@ -257,7 +257,7 @@ def goodput_finding(good: dict[int, dict[str, float]], signs: Signs | None = Non
     if signs is not None:
         longer = "(steps of unequal work, not stalls)"
         note = (
-            f"; not judged: the loss takes both signs ({signs.negative} of {signs.points} values below 0), "
+            f"; not judged: the loss goes below 0 ({signs.negative} of {signs.points} values), "
             "as a policy gradient's does, whose step is an episode: a longer episode is a longer step"
         )
     return Finding(

@@ -8,8 +8,11 @@ that shape (episode lengths, the loss's sign and size, step times), as watch wri
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from ciuic_doctor.rundir.store import RunDir
 
@@ -78,3 +81,50 @@ def test_a_supervised_loss_with_one_stray_negative_value_is_still_judged(negativ
     loss = np.linspace(3.0, 1.0, 100)
     loss[50 : 50 + negatives] = -0.5
     assert below_zero(loss) is None
+
+
+# A REINFORCE script of reinforce.py's shape on a toy environment (no gym needed): one optimizer step per
+# episode on −Σ log π × normalized return; episodes lengthen as the policy learns to stay in the corridor.
+REINFORCE = """
+import torch, torch.nn as nn
+torch.manual_seed(543)
+policy = nn.Sequential(nn.Linear(2, 16), nn.Tanh(), nn.Linear(16, 2))
+optimizer = torch.optim.Adam(policy.parameters(), lr=3e-2)
+generator = torch.Generator().manual_seed(0)
+for episode in range(40):
+    position, log_probs, rewards = 0.0, [], []
+    for t in range(200):  # the corridor: stay within 3 of the middle; the drift pushes right
+        state = torch.tensor([[position, t / 200]])
+        dist = torch.distributions.Categorical(logits=policy(state))
+        action = dist.sample()
+        log_probs.append(dist.log_prob(action))
+        position += (1.0 if action.item() else -1.0) * 0.5 + float(torch.randn(1, generator=generator)) * 0.3
+        rewards.append(1.0)
+        if abs(position) > 3:
+            break
+    returns, running = [], 0.0
+    for r in reversed(rewards):
+        running = r + 0.99 * running
+        returns.insert(0, running)
+    returns = torch.tensor(returns)
+    returns = (returns - returns.mean()) / (returns.std() + 1e-6) if len(returns) > 1 else returns * 0
+    loss = -(torch.cat(log_probs) * returns).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+"""
+
+
+@pytest.mark.slow
+def test_a_watched_reinforce_script_is_named_not_judged_by_its_loss(tmp_path):
+    script = tmp_path / "reinforce_toy.py"
+    script.write_text(REINFORCE)
+    run = tmp_path / "run"
+    run_cli("watch", "--out", str(run), "--", str(script), timeout=600, check=True)
+    analyzed = run_cli("analyze", "--json", str(run), timeout=300)
+    found = {(f["probe"], f["check"]): f for f in json.loads(analyzed.stdout)}
+    assert found[("stability", "divergence")]["verdict"] == "not_run"
+    assert "goes below 0" in found[("stability", "divergence")]["summary"]
+    assert found[("stability", "loss_spike")]["verdict"] == "not_run"
+    assert found[("stability", "nonfinite_loss")]["verdict"] == "pass"
+    assert found[("throughput", "goodput")]["verdict"] == "pass"

@@ -101,6 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
         "started by local rank 0 in a process of its own; it ends with the job)",
     )
+    parser.add_argument(
+        "--bind",
+        metavar="ADDR",
+        default="127.0.0.1",
+        help="with --metrics-port: the address the endpoint listens on (default 127.0.0.1; it is not "
+        "authenticated: see `ciuic-doctor export --help`)",
+    )
     parser.add_argument(  # probes/watch/moe.py
         "--moe-every",
         type=positive_int,
@@ -189,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.live.exporter import should_start, start_exporter
 
         if should_start():
-            start_exporter(port=args.metrics_port, run_dir=session.run.path)
+            start_exporter(port=args.metrics_port, run_dir=session.run.path, bind=args.bind)
 
     def report(status: str, code: int) -> None:
         children = watch_children.children_started()

@@ -276,6 +276,27 @@ def test_a_signed_run_verifies_unasked_and_its_runs_die_with_verify(signed, sig)
 
 
 @pytest.mark.slow
+def test_a_planted_recommendations_json_chooses_nothing(signed, tmp_path):
+    """In a run this user signed, a recommendations.json someone put there (a variable that loads code, a
+    setting of their choice) is replaced by verify's own report: neither is tried."""
+    marker, evil = _evil(tmp_path)
+    planted = [
+        {"setting": "PYTHONPATH", "value": str(evil), "change": True, "evidence": {}},
+        {"setting": "dataloader.num_workers", "value": 7, "change": True, "evidence": {}},
+    ]
+    (signed / "recommendations.json").write_text(json.dumps({"recommendations": planted}))
+    done = run_cli("verify", str(signed), "--budget", "300", "--verify-steps", "1", "--max-rounds", "1",
+                   timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    tried = json.loads((signed / "verification.json").read_text())["candidates"]
+    labels = " ".join(c["label"] for c in tried)
+    assert "PYTHONPATH" not in labels
+    assert "num_workers=7" not in labels
+    assert "PYTHONPATH" not in (signed / "recommendations.json").read_text()
+    assert not marker.exists()
+
+
+@pytest.mark.slow
 def test_the_budget_holds_from_the_first_run(tmp_path):
     run = _plant(tmp_path / "run", {"probes": {"watch": {"argv": [str(SLEEPY), "--hang"]}}})
     began = time.monotonic()

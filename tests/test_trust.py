@@ -5,6 +5,7 @@ verify's runs die with it. Real processes throughout; each job is a few steps.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,6 +82,38 @@ def test_a_planted_meta_json_never_runs_without_yes(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "does not match" in done.stderr, done.stderr
     assert not marker.exists()
+
+
+def test_on_a_terminal_it_asks_and_no_runs_nothing(tmp_path):
+    """stdin and stdout a terminal: the command is shown, `run it? [y/N]` asked; `n` runs nothing."""
+    import pty
+
+    marker = tmp_path / "marker"
+    run = _plant(tmp_path / "run", {"probes": {"watch": {"argv": _marker_argv(marker)}}})
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ciuic_doctor", "verify", str(run), "--try", "dataloader.num_workers=2"],
+        stdin=child, stdout=child, stderr=child, close_fds=True,
+    )  # fmt: skip
+    os.close(child)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"[y/N]" not in seen and time.monotonic() < deadline:
+        try:
+            seen += os.read(main, 4096)
+        except OSError:
+            break
+    os.write(main, b"n\n")
+    code = proc.wait(timeout=60)
+    with contextlib.suppress(OSError):
+        seen += os.read(main, 4096)
+    os.close(main)
+    assert b"timeit" in seen, seen  # the command was shown before the question
+    assert b"run it? [y/N]" in seen, seen
+    assert code == 2, seen
+    assert b"you said no" in seen, seen
+    assert not marker.exists()
+    assert not (run / "verify").exists()
 
 
 @pytest.mark.slow

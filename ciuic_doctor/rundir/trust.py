@@ -109,8 +109,13 @@ class KeyRefused(OSError):
 def key_path() -> Path:
     """$XDG_CONFIG_HOME/ciuic-doctor/key, else ~/.config/ciuic-doctor/key (the XDG base-directory rule)."""
     base = os.environ.get("XDG_CONFIG_HOME") or ""
-    root = Path(base) if os.path.isabs(base) else Path.home() / ".config"
-    return root / "ciuic-doctor" / "key"
+    if os.path.isabs(base):
+        return Path(base) / "ciuic-doctor" / "key"
+    try:
+        home = Path.home()
+    except RuntimeError:  # no $HOME and no passwd entry
+        raise KeyRefused(Path("~/.config/ciuic-doctor/key"), "no home directory to keep it in") from None
+    return home / ".config" / "ciuic-doctor" / "key"
 
 
 def _check_owned(path: Path, info: os.stat_result, *, private: bool) -> None:
@@ -129,8 +134,8 @@ def load_key(*, create: bool = False) -> bytes:
     path = key_path()
     folder = path.parent
     if create:
-        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
+            folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.mkdir(folder, 0o700)
         except FileExistsError:
             pass

@@ -12,6 +12,10 @@ its rule aims at (ciuic_doctor/verify/judge.py). Writes RUN/verify/ (one run dir
 RUN/verification.json, then the report again, so report.html, recommended.env and recommended.toml
 carry only what helped (or is arithmetic / a documented fact). Exit 0 when verification ran (whatever
 it found), 1 when the job failed unchanged, 2 for a usage error.
+
+It re-runs a job without asking only when your own watch / job signed it (ciuic_doctor/rundir/trust.py);
+a run recorded by someone else, edited or planted, or in a folder others own or may write, runs only
+after the exact command is shown and you pass --yes (or answer y on a terminal).
 """
 
 from __future__ import annotations

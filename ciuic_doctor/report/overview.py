@@ -230,16 +230,17 @@ def _panel(panel: Series, x: Any, top: float, x0: float, x1: float) -> list[str]
         f'<rect x="{x0}" y="{top}" width="{x1 - x0}" height="{PANEL_H}" fill="none" '
         'stroke="currentColor" stroke-opacity=".18"/>',
     ]
+    # points to a tenth of a unit (the picture is at most 1,100 px wide): 600 points a series stay small
     if panel.low and panel.high:
-        upper = " ".join(f"{x(s)},{y(v)}" for s, v in zip(panel.steps, panel.high, strict=True))
+        upper = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in zip(panel.steps, panel.high, strict=True))
         lower = " ".join(
-            f"{x(s)},{y(v)}" for s, v in zip(reversed(panel.steps), reversed(panel.low), strict=True)
+            f"{x(s):.1f},{y(v):.1f}" for s, v in zip(reversed(panel.steps), reversed(panel.low), strict=True)
         )
         out.append(
             f'<polygon class="band" points="{upper} {lower}" fill="{panel.color}" fill-opacity=".22"/>'
         )
     line = " ".join(
-        f"{x(s)},{y(v)}" for s, v in zip(panel.steps, panel.line, strict=True) if math.isfinite(v)
+        f"{x(s):.1f},{y(v):.1f}" for s, v in zip(panel.steps, panel.line, strict=True) if math.isfinite(v)
     )
     out.append(
         f'<polyline class="line" points="{line}" fill="none" stroke="{panel.color}" stroke-width="1.4"/>'
@@ -309,7 +310,7 @@ def job_overview(
             band_series(table_band(table, "step_time_s", unit="ms", scale=1e3), "ms", title, PALETTE[0]),
             band_series(table_band(table, "loss", unit="loss"), "loss", "loss", PALETTE[1]),
         ]  # fmt: skip
-        key = memory_key(table)
+        key = _leak_key(table, findings) or memory_key(table)
         if key is not None:
             band = table_band(table, key, unit="mib", scale=1 / 2**20)
             panels.append(band_series(band, "mib", f"{MEMORY_LABEL[key]} (MiB)", PALETTE[2]))
@@ -323,3 +324,15 @@ def job_overview(
         f"The job over its steps: {what}; every warn/fail finding at its step (a mark links to its evidence)"
     )
     return overview_svg(drawn, marks, caption=caption)
+
+
+def _leak_key(table: Any, findings: Sequence[Finding]) -> str | None:
+    """The host-memory column (USS, else RSS) when a warn/fail leak is of host memory and the step records
+    carry it: the panel then shows the leak it marks (CUDA allocated would be flat beside it)."""
+    host = any(
+        f.check == "memory_leak" and f.verdict in ("warn", "fail") and f.evidence.get("kind") == "host"
+        for f in findings
+    )
+    if not host:
+        return None
+    return next((k for k in ("uss", "rss") if table.positive(k)), None)

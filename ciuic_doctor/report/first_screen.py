@@ -130,7 +130,7 @@ class FirstScreen:
         if not self.command:
             return f"{changes}: {self.cannot_try}"
         took = f" ({self.estimate.short}, estimated)" if self.estimate else ""
-        return f"{changes}: `{self.command}` tries them{took}"
+        return f"{changes}: `{self.command}` tries {'it' if n == 1 else 'them'}{took}"
 
 
 def _shown(value: Any) -> str:
@@ -243,7 +243,10 @@ def build(
         )
         for f in flagged
     ]  # fmt: skip
+    said = [f.summary for f in flagged]
     for rec in advice:  # a finding in a recommendation's clothes: what to look at, not a setting
+        if any(summary and (summary in rec.why or rec.why in summary) for summary in said):
+            continue  # the finding it repeats is listed already
         look.append(LookAt(verdict="warn", what=rec.setting, summary=rec.why, anchor="settings"))
     command, alternative, cannot = rerun_command(meta, run_path)
     screen = FirstScreen(

@@ -134,6 +134,14 @@ def test_changes_proved_untried_and_findings_to_look_at():
             rec("NCCL_ALGO", None, "Tree", verification={"status": "not verified"}),  # unset: a change
             rec("optim.lr_scaling", "sqrt", "none"),  # arithmetic: goes into the files without a trial
             rec("straggler (from a step on)", "rank 0 (+34 %)", None),  # a finding, not a setting
+            Recommendation(
+                setting="slow rank",
+                value="rank 0",
+                current=None,
+                why="rank 0 slower",
+                evidence={},
+                confidence="low",
+            ),  # repeats the finding: listed once, as the finding
             rec("optim.clip_max_norm", 1.6, 1.0, verification={"status": "no measurable effect"}),
         ]
     )

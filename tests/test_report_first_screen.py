@@ -129,7 +129,13 @@ def test_changes_proved_untried_and_findings_to_look_at():
              "rounds": 6}  # fmt: skip
     plan = Plan(
         recommendations=[
-            rec("dataloader.num_workers", 4, 2, verification=helps),
+            rec("dataloader.num_workers", 0, 2, verification=helps),
+            rec(
+                "dataloader.prefetch_factor",
+                None,
+                2,
+                verification={**helps, "follows": "dataloader.num_workers=0"},
+            ),
             rec("precision.init_scale", 4096, 65536, verification={"status": "not verified"}),
             rec("NCCL_ALGO", None, "Tree", verification={"status": "not verified"}),  # unset: a change
             rec("optim.lr_scaling", "sqrt", "none"),  # arithmetic: goes into the files without a trial
@@ -162,13 +168,15 @@ def test_changes_proved_untried_and_findings_to_look_at():
         overall="fail", findings=findings, plan=plan, sections=sections, meta=meta,
         run_path="reports/my run", step_s=0.5, steps_run=40,
     )  # fmt: skip
-    assert [(c.setting, c.value) for c in screen.proved] == [("dataloader.num_workers", "4")]
-    assert screen.proved[0].note == "step time −12 % (95 % CI −16 … −8 %, 6 rounds)"
+    assert [(c.setting, c.value, c.note) for c in screen.proved] == [
+        ("dataloader.num_workers", "0", "step time −12 % (95 % CI −16 … −8 %, 6 rounds)"),
+        ("dataloader.prefetch_factor", "unset", "comes with dataloader.num_workers=0"),  # not a second proof
+    ]
     assert [(c.setting, c.value) for c in screen.untried] == [
         ("precision.init_scale", "4096"),
         ("NCCL_ALGO", "unset"),
     ]
-    assert screen.tried_no_gain == ["optim.clip_max_norm: no measurable effect"]
+    assert screen.tried_no_gain == ["optim.clip_max_norm (no measurable effect)"]
     assert screen.command == "ciuic-doctor verify 'reports/my run'"  # quoted for the shell
     assert screen.alternative == "ciuic-doctor checkup --verify"
     # Look at: the fail first, then what happened at a step, then what a listed change answers; last, the
@@ -180,7 +188,7 @@ def test_changes_proved_untried_and_findings_to_look_at():
         ("straggler (from a step on)", "settings", None),
     ]
     assert screen.headline == (
-        "1 fail, 2 warn of 4 checks that ran; 1 change(s) proved to help on this job; 2 not yet tried; "
+        "1 fail, 2 warn of 4 checks that ran; 2 change(s) proved to help on this job; 2 not yet tried; "
         "4 thing(s) to look at"
     )
     est = screen.estimate

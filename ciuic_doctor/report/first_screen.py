@@ -105,7 +105,7 @@ class FirstScreen:
     headline: str
     proved: list[Change] = field(default_factory=list)
     untried: list[Change] = field(default_factory=list)
-    tried_no_gain: list[str] = field(default_factory=list)  # "NCCL_ALGO: no measurable effect"
+    tried_no_gain: list[str] = field(default_factory=list)  # "NCCL_ALGO (no measurable effect)"
     command: str = ""  # what tries the untried changes ("" when nothing can re-run the job)
     alternative: str = ""
     cannot_try: str = ""  # why no command (an imported log)
@@ -211,13 +211,15 @@ def build(
         status = status_of(rec)
         found = rec.evidence.get("verification") or {}
         if status in (NO_EFFECT, HURTS, NOT_VERIFIABLE):
-            no_gain.append(f"{rec.setting}: {status}")
+            no_gain.append(f"{rec.setting} ({status})")
             continue
         if not is_change(rec):
             continue
         row = Change(setting=rec.setting, current=_shown(rec.current), value=_shown(rec.value))
         if status == HELPS:
-            if found.get("ratio") is not None and found.get("ci_low") is not None:
+            if found.get("follows"):  # forced by another change (num_workers=0 unsets prefetch_factor)
+                row.note = f"comes with {found['follows']}"
+            elif found.get("ratio") is not None and found.get("ci_low") is not None:
                 row.note = (
                     f"{found.get('target_metric')} {percent(found['ratio'])} "
                     f"(95 % CI {interval(found['ci_low'], found['ci_high'])}, {found.get('rounds')} rounds)"

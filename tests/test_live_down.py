@@ -140,6 +140,7 @@ def test_a_rank_killed_with_sigkill_fires_the_shipped_rank_down_rule(tmp_path: P
         assert job.wait(timeout=30) != 0  # torchrun ended the job when its rank died
         assert alerts[0]["metric"]["job"] == "run"
         assert for_s <= took, took
+        print(f"CiuicRankDown fired {took:.1f} s after the kill (for: {for_s:g}s)")
         finished = _prometheus_query(prom_port, "ciuic_job_finished")
         assert [float(s["value"][1]) for s in finished] == [0.0]
     finally:

@@ -171,6 +171,11 @@ def test_watch_metrics_port_serves_the_watched_script_and_ends_with_it(tmp_path:
         done = 'ciuic_job_finished{job="run"} 1.0'
         final = wait_for("the final state", lambda: done in (t := _metrics(port)) and t, timeout_s=30)
         assert re.search(r'ciuic_rank_up\{[^}]*rank="0"[^}]*\} 0\.0', final), final
+        # the lingering exporter keeps its log open in the run directory, yet it is no part of the job
+        late = subprocess.run([*CLI, "top", "--once", str(tmp_path / "run")], capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+        assert late.returncode == 2, late.stdout
+        assert "no running process is writing this run directory" in late.stderr
     finally:
         for pid in _exporters_of(tmp_path / "run"):
             with contextlib.suppress(ProcessLookupError):

@@ -15,9 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ciuic_doctor.live.procs import EXPORT_LOG
+
 # the exporter of the job before on this node may still serve its final state (live/ending.py's linger)
 PORT_WAIT_S = 150.0
-EXPORT_LOG = "export.log"
 _DETACH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.test_live_down import _exporters_of
 from tests.test_live_job import CLI, top_once, wait_for
 
 SPAWN_SCRIPT = textwrap.dedent(
@@ -158,11 +160,26 @@ def test_watch_metrics_port_serves_the_watched_script_and_ends_with_it(tmp_path:
         assert float(line.split()[-1]) >= 1
         assert f'job="{tmp_path.name}"' not in line  # the run directory's name is "run"
         assert 'job="run"' in line
+        workers = re.search(r'^ciuic_rank_workers\{[^}]*rank="0"[^}]*\} (\S+)$', text, re.M)
+        assert workers, text
+        assert float(workers.group(1)) == 0, text  # no DataLoader: watch's sentinel is no worker
     finally:
         stop.touch()
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    wait_for("the exporter to end with the job", lambda: _metrics(port) == "", timeout_s=30)
+    try:  # after the job, its final state: the rank down, the run's clean end recorded
+        done = 'ciuic_job_finished{job="run"} 1.0'
+        final = wait_for("the final state", lambda: done in (t := _metrics(port)) and t, timeout_s=30)
+        assert re.search(r'ciuic_rank_up\{[^}]*rank="0"[^}]*\} 0\.0', final), final
+        # the lingering exporter keeps its log open in the run directory, yet it is no part of the job
+        late = subprocess.run([*CLI, "top", "--once", str(tmp_path / "run")], capture_output=True, text=True,
+                              timeout=120, check=False)  # fmt: skip
+        assert late.returncode == 2, late.stdout
+        assert "no running process is writing this run directory" in late.stderr
+    finally:
+        for pid in _exporters_of(tmp_path / "run"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 ALLREDUCE_SCRIPT = textwrap.dedent(

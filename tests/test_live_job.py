@@ -151,6 +151,7 @@ def test_top_once_shows_both_ranks_with_pids_and_live_figures(job) -> None:
         assert float(cells["STEP/S"]) > 0
         assert cells["STATUS"] in (("straggler", "overflows") if rank == 1 else ("overflows",)), text
         assert cells["SKIP"] == str(OVERFLOWS), text
+        assert cells["WKR"].startswith("2/"), text  # the job's 2 workers, children of its forkserver
     assert f"rank 0: {OVERFLOWS} skipped steps in the last 100" in text
     # tokens/s: each rank's is its records' tokens a step times its steps/s; the header sums the ranks
     per_rank = {}
@@ -204,12 +205,19 @@ def test_a_sigstopped_rank_is_shown_stalled_within_two_intervals_and_a_step(job)
 
         took_s = wait_for("rank 1 shown stalled", rank1_stalled, timeout_s=30, every_s=0)
         assert took_s <= 2 * interval_s + step_time_s, (took_s, step_time_s)
+
+        def rank0_waiting():  # blocked at its next collective: within 2 of its steps and a sample
+            time.sleep(interval_s)
+            return {r.rank: r for r in live.update().rows}[0].verdict.waiting and time.monotonic() - since
+
+        waited_s = wait_for("rank 0 shown waiting", rank0_waiting, timeout_s=30, every_s=0)
+        assert waited_s <= 3 * step_time_s + 3 * interval_s + 1, (waited_s, step_time_s)
         text = top_once("--pid", str(job["agent"]), "--interval", "0.2")
         words = rank_line(text, 1, job["ranks"][1])
         assert words[3] == "STALLED"
         assert words[4] == "stopped"
         assert "rank 1: process stopped" in text
-        assert rank_line(text, 0, job["ranks"][0])[3] in ("ok", "waiting", "overflows")
+        assert rank_line(text, 0, job["ranks"][0])[3] == "waiting", text
 
 
 def _prometheus_query(port: int, query: str) -> list[dict]:

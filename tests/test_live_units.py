@@ -327,7 +327,8 @@ def test_environ_reading_keeps_only_the_rank_keys() -> None:
 def _exported_names() -> set[str]:
     from ciuic_doctor.live.metrics import GPU_METRICS, RANK_METRICS
 
-    return {m[0] for m in RANK_METRICS} | {m[0] for m in GPU_METRICS} | {"ciuic_ranks_omitted"}
+    job_level = {"ciuic_ranks_omitted", "ciuic_job_finished", "ciuic_job_world_size", "ciuic_exporter_up"}
+    return {m[0] for m in RANK_METRICS} | {m[0] for m in GPU_METRICS} | job_level
 
 
 def test_the_dashboard_and_the_alert_rules_name_only_series_the_exporter_serves() -> None:
@@ -340,9 +341,13 @@ def test_the_dashboard_and_the_alert_rules_name_only_series_the_exporter_serves(
     named = set(re.findall(r"ciuic_\w+", " ".join(exprs) + rules))
     assert named
     assert named <= _exported_names(), named - _exported_names()
-    assert {"CiuicRankStalled", "CiuicRankStraggler", "CiuicOverflowStorm"} <= set(
-        re.findall(r"alert: (\w+)", rules)
-    )
+    assert {
+        "CiuicRankStalled",
+        "CiuicRankStraggler",
+        "CiuicOverflowStorm",
+        "CiuicRankDown",
+        "CiuicExporterDown",
+    } <= set(re.findall(r"alert: (\w+)", rules))
 
 
 def test_promtool_accepts_the_rules_and_the_scrape_config() -> None:
@@ -395,3 +400,17 @@ def test_a_rank_gets_the_gpu_nvml_lists_its_pid_on_and_the_endpoint_labels_it() 
     finally:
         rank.kill()
         rank.wait()
+
+
+def test_the_job_label_is_never_torchruns_placeholder_run_id(tmp_path: Path) -> None:
+    from ciuic_doctor.live.discover import JobLayout
+    from ciuic_doctor.live.ending import job_label
+
+    def layout(run_id, run_dir=None):
+        return JobLayout(ranks={}, agents=[], script="train.py", world_size=2, run_id=run_id, run_dir=run_dir)
+
+    assert job_label(given=None, run_arg=None, layout=layout("none"), pid=42) == "train.py-42"
+    assert job_label(given=None, run_arg=None, layout=layout("none", tmp_path / "r1"), pid=42) == "r1"
+    assert job_label(given=None, run_arg=str(tmp_path / "r2"), layout=layout("abc"), pid=42) == "r2"
+    assert job_label(given=None, run_arg=None, layout=layout("abc", tmp_path / "r1"), pid=42) == "abc"
+    assert job_label(given="mine", run_arg=str(tmp_path / "r2"), layout=layout("none"), pid=42) == "mine"

@@ -329,7 +329,8 @@ def test_analyze_returns_both_checks(tmp_path):
     with run.writer("steps", rank=0, per_rank_file=True) as w:
         for rec in _records([[0.1] * 6], [[0.03] * 6]):
             w.write(rec)
-    assert {f.check for f in analyze(run)} == {"rank_desync", "step_time", "straggler_onset", "slow_host"}
+    checks = {"rank_desync", "step_time", "straggler_onset", "slow_host", "stall", "intermittent"}
+    assert {f.check for f in analyze(run)} == checks
     assert as_float(run.read("steps").records[1]["step_time_s"]) == 0.1
 
 

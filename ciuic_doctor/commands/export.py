@@ -15,15 +15,17 @@ _skipped_steps_total, _tokens_per_second; with NVML ciuic_gpu_utilization_ratio,
 _power_watts, _sm_clock_hertz. deploy/prometheus/ has the scrape config and alert rules (stalled rank,
 straggler, overflow storm), deploy/grafana/ a dashboard.
 
-The job label is --job, else the job's TORCHELASTIC_RUN_ID, else the run directory's name. It exits
-when the job does. It reads /proc, NVML and the run directory only; it never imports torch.
+The job label is --job, else the name of --run, else the job's TORCHELASTIC_RUN_ID (not torchrun's
+placeholder "none"), else the run directory's name, else script-PID. When the job ends it serves the final
+state (every rank down, ciuic_job_finished 1 if the watched run recorded a clean end) for --linger
+seconds, then exits. It reads /proc, NVML and the run directory only; it never imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ciuic_doctor.cli_args import positive_float, positive_int
+from ciuic_doctor.cli_args import non_negative_float, positive_float, positive_int
 from ciuic_doctor.commands.top import add_target
 
 NAME = "export"
@@ -47,13 +49,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "node's address only behind a firewall that lets your Prometheus alone in, or keep 127.0.0.1 "
         "and reach it through an SSH tunnel",
     )
-    parser.add_argument("--job", metavar="NAME", help="the job label (default: TORCHELASTIC_RUN_ID or RUN)")
+    parser.add_argument(
+        "--job", metavar="NAME", help="the job label (default: RUN's name, else TORCHELASTIC_RUN_ID)"
+    )
     parser.add_argument(
         "--max-ranks",
         type=positive_int,
         default=256,
         metavar="N",
         help="per-rank series for at most N ranks of this node, those needing attention first (256)",
+    )
+    parser.add_argument(
+        "--linger",
+        type=non_negative_float,
+        default=None,
+        metavar="S",
+        help="after the job ends, serve its final state (every rank down) for S seconds, so alerts on "
+        "ciuic_rank_up can fire (120)",
+    )
+    parser.add_argument(  # watch's exporter: the one of the job before may still serve its final state
+        "--port-wait", type=non_negative_float, default=0.0, metavar="S", help=argparse.SUPPRESS
     )
     parser.add_argument(
         "--duration",
@@ -65,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import time
+    from pathlib import Path
 
     from ciuic_doctor.errors import UserError
+    from ciuic_doctor.live.ending import LINGER_S, bind_retrying, finished, job_label
     from ciuic_doctor.live.metrics import ExportConfig, serve
 
     if args.pid is None:
@@ -77,16 +94,16 @@ def run(args: argparse.Namespace) -> int:
 
     job = open_job(args.pid, None, args.interval)
     if args.run is not None:
-        from pathlib import Path
-
         if not Path(args.run).is_dir():
             raise UserError(f"{args.run}: not a directory")
         job.discovery.run_dir = Path(args.run)
     layout = job.discovery.refresh()
-    name = args.job or layout.run_id or (layout.run_dir.name if layout.run_dir else None) or f"pid{args.pid}"
+    name = job_label(given=args.job, run_arg=args.run, layout=layout, pid=args.pid)
     config = ExportConfig(job=name, interval_s=args.interval, max_ranks=args.max_ranks)
     try:
-        sampled = serve(job, config, port=args.port, address=args.bind)
+        sampled = bind_retrying(
+            lambda: serve(job, config, port=args.port, address=args.bind), wait_s=args.port_wait
+        )
     except OSError as exc:
         raise UserError(f"cannot serve on {args.bind}:{args.port}: {exc.strerror or exc}") from None
     print(
@@ -99,6 +116,17 @@ def run(args: argparse.Namespace) -> int:
         began = time.monotonic()
         sampled.sample_once()
         time.sleep(max(0.0, args.interval - (time.monotonic() - began)))
-    print("ciuic-doctor export: the job has ended" if ends is None or time.monotonic() < ends else
-          "ciuic-doctor export: --duration reached", flush=True)  # fmt: skip
+    if ends is not None and time.monotonic() >= ends:
+        print("ciuic-doctor export: --duration reached", flush=True)
+        return 0
+    linger = LINGER_S if args.linger is None else args.linger
+    job.discovery.roots.clear()  # the job is gone: keep its ranks, shown down, without walking again
+    frame = sampled.sample_once()  # the final state: every rank of the job read down
+    sampled.finished = finished(frame.run_dir or (Path(args.run) if args.run else None))
+    how = "finished" if sampled.finished else "no clean finish recorded"
+    print(f"ciuic-doctor export: the job has ended ({how}); final state kept {linger:g} s", flush=True)
+    stop = time.monotonic() + linger
+    while time.monotonic() < stop:  # keep the final frame fresh (ciuic_exporter_up 1) until we leave
+        sampled.sample_once()
+        time.sleep(min(args.interval, max(0.0, stop - time.monotonic())))
     return 0

@@ -9,8 +9,10 @@ What tells a process's rank, strongest first (shared/reference/live-mfu-moe.md, 
 - `--local-rank N` / `--local_rank=N` in its command line (torch.distributed.launch);
 - a child of the launching script started by `torch.multiprocessing.spawn` (`--multiprocessing-fork` in
   its command line): ranks in start order, as mp.spawn starts them.
-A child of a rank is that rank's worker (DataLoader workers name themselves `pt_data_worker`), except
-multiprocessing's resource tracker / forkserver (helpers). Several agents of one job on one host are
+A child of a rank named `pt_data_worker` (torch's DataLoader worker loop names itself so) is that rank's
+worker, and so is one below the rank's forkserver (torch starts forkserver workers as its children); any
+other child is a helper: multiprocessing's resource tracker and forkserver, watch's sentinel, whatever the
+script shells out to. Several agents of one job on one host are
 joined through TORCHELASTIC_RUN_ID (not when it is torchrun's default "none").
 
 GPUs: NVML's processes per device by PID (ciuic_doctor.machine.nvml), else the device CUDA_VISIBLE_DEVICES and
@@ -49,6 +51,10 @@ from ciuic_doctor.live.procs import (
     script_of,
     watched_file_rank,
 )
+
+
+def _young(proc: psutil.Process) -> bool:
+    return time.time() - create_time(proc) < SPAWN_SETTLE_S
 
 
 @dataclass(kw_only=True)
@@ -208,9 +214,13 @@ class Discovery:
             and parent.role == "rank"
             and (comm == WORKER_COMM or env_rank is None or env_rank == parent.rank)
         ):
-            kind = "helper" if HELPER.search(cmdline) else "worker"
-            return _Seen(proc=proc, role=kind, rank=parent.rank, source="parent")
+            return self._below_rank(proc, parent, comm, cmdline)
+        if parent is not None and parent.role == "helper" and comm == WORKER_COMM:
+            # forkserver's workers are its children, not the rank's (torch's DataLoader under forkserver)
+            return _Seen(proc=proc, role="worker", rank=parent.rank, source="parent")
         if parent is not None and parent.role in ("worker", "helper"):
+            if parent.role == "helper" and _young(proc):
+                return _Seen(proc=proc, role="pending", rank=None, source="parent")  # not renamed yet
             return _Seen(proc=proc, role=parent.role, rank=parent.rank, source="parent")
         if env_rank is not None:
             return _Seen(proc=proc, role="rank", rank=env_rank, source="env")
@@ -228,6 +238,18 @@ class Discovery:
             return self._spawned(proc, parent)
         if parent is None:
             return _Seen(proc=proc, role="rank", rank=0, source="root")
+        return _Seen(proc=proc, role="helper", rank=parent.rank, source="parent")
+
+    @staticmethod
+    def _below_rank(proc: psutil.Process, parent: _Seen, comm: str, cmdline: str) -> _Seen:
+        """A child of a rank: a DataLoader worker when torch has named it (`pt_data_worker`, set by the
+        worker loop as it starts), multiprocessing's helpers and anything else the rank or its tools run
+        (watch's sentinel, a shell-out) a helper. One younger than SPAWN_SETTLE_S and not named yet is
+        looked at again: a fork-started worker carries its rank's name until its loop renames it."""
+        if comm == WORKER_COMM:
+            return _Seen(proc=proc, role="worker", rank=parent.rank, source="parent")
+        if not HELPER.search(cmdline) and _young(proc):
+            return _Seen(proc=proc, role="pending", rank=None, source="parent")
         return _Seen(proc=proc, role="helper", rank=parent.rank, source="parent")
 
     def _spawned(self, proc: psutil.Process, parent: _Seen) -> _Seen:

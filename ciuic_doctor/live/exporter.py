@@ -4,8 +4,8 @@ Only the process that is local rank 0 (or the only process) starts it; under tor
 agent (the rank's parent), so it serves every rank of the node. It runs in a process of its own,
 detached from the job's process tree (started through a short-lived middle process, so it is not a
 child of the rank: memwatch, hang --pid and top do not take it for a DataLoader worker), and it exits by
-itself when the job does. Sampling in its own process keeps the GIL of the rank free: the job is never
-slowed by the exporter's Python.
+itself when the job does, after serving the job's final state for a while (live/ending.py). Sampling in
+its own process keeps the GIL of the rank free: the job is never slowed by the exporter's Python.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ciuic_doctor.live.procs import EXPORT_LOG
+
+# the exporter of the job before on this node may still serve its final state (live/ending.py's linger)
+PORT_WAIT_S = 150.0
 _DETACH = "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True)"
 
 
@@ -28,6 +32,21 @@ def start_exporter(*, port: int, run_dir: Path, bind: str = "127.0.0.1") -> int:
     otherwise: `watch --bind`); returns the PID it attaches to."""
     target = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
     command = [sys.executable, "-m", "ciuic_doctor", "export", "--pid", str(target), "--run", str(run_dir),
-               "--port", str(port), "--bind", bind]  # fmt: skip
-    subprocess.run([sys.executable, "-c", _DETACH, *command], check=False, stdin=subprocess.DEVNULL)
+               "--port", str(port), "--bind", bind, "--port-wait", str(PORT_WAIT_S)]  # fmt: skip
+    # its lines go to a file of the run, not to watch's stdout: it outlives the job by its linger, and a
+    # pipe it held open would keep `watch ... | tee` waiting that long after the job ended
+    from ciuic_doctor.rundir.safe_io import open_append
+
+    try:
+        log = open_append(run_dir / EXPORT_LOG)
+    except OSError:
+        log = subprocess.DEVNULL
+    try:
+        subprocess.run([sys.executable, "-c", _DETACH, *command], check=False, stdin=subprocess.DEVNULL,
+                       stdout=log, stderr=log)  # fmt: skip
+    finally:
+        if log != subprocess.DEVNULL:
+            os.close(log)
+    print(f"ciuic-doctor watch: serving this node's ranks on {bind}:{port} (log: {run_dir / EXPORT_LOG})",
+          file=sys.stderr, flush=True)  # fmt: skip
     return target

@@ -99,6 +99,7 @@ class Sampled:
         self.sampled_at = 0.0
         self.sample_cpu_s = 0.0
         self.error: str | None = None
+        self.finished = False  # the run recorded a clean end (live/ending.py): a down rank is no fault
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -148,6 +149,13 @@ class Sampled:
         omitted_gauge = GaugeMetricFamily(
             "ciuic_ranks_omitted", "ranks without per-rank series (past --max-ranks)", labels=["job", "host"]
         )
+        done = GaugeMetricFamily(
+            "ciuic_job_finished",
+            "1 once the watched run recorded a clean end (its ranks' exit is no fault)",
+            labels=["job"],
+        )
+        done.add_metric([self.config.job], int(self.finished))
+        families.append(done)
         world = GaugeMetricFamily("ciuic_job_world_size", "WORLD_SIZE of the job", labels=["job"])
         world.add_metric([self.config.job], frame.world_size or len(frame.rows))
         families.append(world)

@@ -23,6 +23,7 @@ SPAWNED = re.compile(r"--multiprocessing-fork|spawn_main\(")
 # files a watched rank keeps open in its run directory: its steps stream, its watchdog's fatal-stack file
 WATCHED_FILE = re.compile(r"(?:steps\.rank(\d+)\.jsonl|hang\.rank(\d+)\.fatal\.txt)$")
 WORKER_COMM = "pt_data_worker"  # torch's DataLoader worker loop renames its process (torch/utils/data)
+EXPORT_LOG = "export.log"  # what watch's exporter writes into the run directory (live/exporter.py)
 SPAWN_SETTLE_S = 1.0  # a spawned child younger than this may still become a DataLoader worker by name
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
 
@@ -114,7 +115,9 @@ def job_root(proc: psutil.Process) -> psutil.Process:
 
 
 def pids_writing(run_dir: Path) -> list[int]:
-    """Processes with a file open under `run_dir` (a watched job keeps its fatal-stack files open)."""
+    """Processes with a file open under `run_dir` (a watched job keeps its fatal-stack files open), but
+    not the exporter `watch --metrics-port` started, which keeps only its EXPORT_LOG open there (it
+    outlives the job by its linger: it is no part of the job)."""
     prefix = str(run_dir.resolve()) + os.sep
     found = []
     me = os.getpid()
@@ -124,7 +127,8 @@ def pids_writing(run_dir: Path) -> list[int]:
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{entry}/fd"):
                 with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{entry}/fd/{fd}").startswith(prefix):
+                    target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                    if target.startswith(prefix) and target != prefix + EXPORT_LOG:
                         found.append(int(entry))
                         break
     return found

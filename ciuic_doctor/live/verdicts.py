@@ -5,7 +5,8 @@
   STALL_MIN_S) is stalled too. When some ranks are stalled and others are past the same age only because
   they wait for them in a collective (they are stopped at a later step, or a stopped peer explains it),
   those are `waiting`, not culprits: the hang report's distinction between the culprit and the ranks
-  that wait in the collective.
+  that wait in the collective. While a peer is stopped, a rank without a step for WAIT_STEPS median
+  steps (and WAIT_MIN_S) is `waiting` at once, not after the 30 s a stall takes.
 - straggler: the rank's median pace (time before backward where recorded: in DDP the step time is evened
   out by the gradient all-reduce; else the step time) is ≥ SLOW_FRACTION above the lower median of all
   ranks and beyond NOISE_MADS × (its MAD + the typical MAD): analysis/steps/crossrank.py's level rule.
@@ -30,6 +31,10 @@ from ciuic_doctor.live.streams import StepWindow
 
 STALL_MEDIAN_STEPS = 20.0  # the hang watchdog's default: 20 median steps without a step...
 STALL_MIN_S = 30.0  # ...and at least 30 s (README, "When a job hangs")
+# A rank whose peer is stopped waits at its next collective: past 2 median steps (one to reach it, one of
+# slack for the step in flight) and 1 s (the sampling interval) without a step, it reads `waiting`.
+WAIT_STEPS = 2.0
+WAIT_MIN_S = 1.0
 MIN_PACE_STEPS = 10  # steps per rank before a pace is judged
 MEMORY_POINTS = 20  # RSS samples before a trend is judged
 MEMORY_WINDOW = 300
@@ -99,6 +104,15 @@ def stalled(
         if sample.up and sample.state in STOPPED_STATES:
             out[rank] = ("stalled", f"process {sample.state} (state T: SIGSTOP or a debugger)")
     times = [f["step_time_s"] for f in figures.values() if f.get("step_time_s")]
+    if out:  # a stopped peer: the others block at their next collective, within a step or two
+        typical = statistics.median(times) if times else 0.0
+        for rank, sample in samples.items():
+            if rank in out or not sample.up:
+                continue
+            age = figures.get(rank, {}).get("since_last_step_s")
+            if age is None or age > max(WAIT_STEPS * typical, WAIT_MIN_S):
+                why = "waiting on a stopped rank" + (f" (no step for {age:.0f} s)" if age is not None else "")
+                out[rank] = ("waiting", why)
     if times:
         limit = max(limits.stall_median_steps * statistics.median(times), limits.stall_min_s)
         late = {

@@ -5,7 +5,8 @@ Checks (probe "comm"):
   busbw               one per collective: average and peak busbw (warn at world size 1: busbw is 0 there)
   algo_choice         all_reduce ring vs tree at the job's gradient-bucket sizes -> recommended_nccl_algo,
                       or null (leave NCCL_ALGO unset) when they are within noise; not_run on gloo
-  straggler           a rank whose own time is the longest in most rows, by a margin
+  straggler           a rank whose own time is the longest (or >= 5 % over the row's median) in most
+                      rows; other ranks as slow are named with it (a slow link slows both its ends)
   busbw_floor         each table's average busbw against --min-busbw (fails below 0.9 x, as nccl-tests)
   collective_support  not_run for each collective the backend could not run
 
@@ -277,14 +278,20 @@ def straggler(rows: list[dict[str, Any]]) -> Finding:
         "threshold_pct": STRAGGLER_PCT,
     }
     if slow.is_straggler:
+        where = {"rank": rank, "host": hosts.get(rank)}
+        summary = (
+            f"rank {rank} on {hosts.get(rank) or '?'} is slow in {max(count, slow.rows_slow)} of {slow.rows} "
+            f"rows, by {slowdown:.0f}% (median) over the other ranks"
+        )
+        if slow.peers:  # two ranks slow alike: the link between them (or what they share)
+            where["ranks"] = [rank, *slow.peers]
+            evidence["peers"] = slow.peers
+            summary += (
+                f", and so are rank(s) {', '.join(map(str, slow.peers))}: a slow link between them, or a "
+                "switch or NIC they share"
+            )
         return Finding(
-            probe=PROBE,
-            check="straggler",
-            verdict="warn",
-            evidence=evidence,
-            where={"rank": rank, "host": hosts.get(rank)},
-            summary=f"rank {rank} on {hosts.get(rank) or '?'} is the slowest in {count} of {slow.rows} "
-            f"rows, by {slowdown:.0f}% (median) over the other ranks",
+            probe=PROBE, check="straggler", verdict="warn", evidence=evidence, where=where, summary=summary
         )
     return Finding(
         probe=PROBE,

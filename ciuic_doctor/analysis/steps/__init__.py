@@ -17,6 +17,10 @@ sets the pace.
   normalised pace. A median over the whole run hides a rank that turns 15 % slower half-way.
 - `slow_host`: ≥ 75 % of one host's ranks slow together: a host problem. Those ranks are named here and
   not again as rank stragglers.
+- `stall`: a rank whose pace is ≥ 2× the typical rank's for ≥ 2 steps in a row (a data-loader stall, a
+  slow read): every rank waited for it. A single such step (a GC pause) is a one-off and does not warn.
+- `intermittent`: a rank slow on a recurring few steps (every n-th), on at most INTERMITTENT_MAX_SHARE
+  of the ranks: where many ranks do it (unsynchronised GC everywhere), it is how the job runs.
 
 One finding per check for the whole job; `where.ranks` lists the ranks concerned, worst first, and
 `where.hosts` their hosts. Evidence lists at most MAX_NAMED ranks by name and counts the rest.
@@ -26,6 +30,7 @@ Pure functions of records: no torch.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from ciuic_doctor.analysis.steps import desync as _desync
@@ -181,7 +186,7 @@ def check_pace(data: Any) -> list[Finding]:
     matrix = _matrix(data)
     if matrix is None or not np_any_finite(matrix.step_time_s):
         why = "no step times recorded (one step only?)"
-        return [_pace_not_run(check, why) for check in ("step_time", "straggler_onset", "slow_host")]
+        return [_pace_not_run(check, why) for check in PACE_CHECKS]
     if len(matrix.ranks) < 2:
         import numpy as np
 
@@ -195,8 +200,7 @@ def check_pace(data: Any) -> list[Finding]:
                 slowdown_pct=0.0,
                 median_step_time_s={str(int(matrix.ranks[0])): median},
             ),
-            _pace_not_run("straggler_onset", why),
-            _pace_not_run("slow_host", why),
+            *(_pace_not_run(check, why) for check in PACE_CHECKS[1:]),
         ]
     paces = classify(matrix)
     hosts, n_hosts = slow_hosts(paces)
@@ -206,7 +210,92 @@ def check_pace(data: Any) -> list[Finding]:
         _step_time(matrix, paces, own),
         _onset(matrix, own),
         _slow_host(matrix, paces, hosts, n_hosts),
+        _stall(matrix, paces),
+        _intermittent(matrix, paces),
     ]
+
+
+PACE_CHECKS = ("step_time", "straggler_onset", "slow_host", "stall", "intermittent")
+INTERMITTENT_MAX_SHARE = 0.01  # ranks (at least 2) with recurring slow steps before it is the job's way
+
+
+def _stall(matrix: StepMatrix, paces: list[RankPace]) -> Finding:
+    """Ranks whose pace was >= 2x the typical rank's for >= 2 steps in a row."""
+    stalled = sorted(
+        (p for p in paces if p.stall_steps), key=lambda p: -len(p.stall_steps) * (p.stall_ratio or 0)
+    )
+    evidence: dict[str, Any] = {"ranks_checked": len(paces), "steps_used": len(matrix.steps)}
+    evidence["stalled"] = [
+        {
+            "rank": p.rank,
+            "host": p.host,
+            "steps": [p.stall_steps[0], p.stall_steps[-1]],
+            "ratio": p.stall_ratio,
+        }
+        for p in stalled[:MAX_NAMED]
+    ]
+    evidence["stalled_ranks"] = len(stalled)
+    if not stalled:
+        return Finding(
+            probe=PROBE,
+            check="stall",
+            verdict="pass",
+            summary=f"no rank stalled ({len(paces)} ranks; a stall is >= 2 steps in a row at >= 2x the "
+            "typical pace; single slow steps, such as a GC pause, are one-offs)",
+            evidence=evidence,
+        )
+    worst = stalled[0]
+    first, last = worst.stall_steps[0], worst.stall_steps[-1]
+    more = f" ({len(stalled) - 1} more rank(s) stalled too)" if len(stalled) > 1 else ""
+    return Finding(
+        probe=PROBE,
+        check="stall",
+        verdict="warn",
+        summary=(
+            f"rank {worst.rank}{f' on {worst.host}' if worst.host else ''} stalled at steps {first}-{last}: "
+            f"{worst.stall_ratio:g}x the typical rank's time before backward, and every rank waited for it "
+            f"in the all-reduce{more}: a data-loader stall (a slow read, a worker restarting) or a blocked "
+            "process"
+        ),
+        evidence=evidence,
+        where=_where(stalled, step=first),
+    )
+
+
+def _intermittent(matrix: StepMatrix, paces: list[RankPace]) -> Finding:
+    """A few ranks slow on a recurring handful of steps (every n-th step), not a job-wide pattern."""
+    recurring = sorted((p for p in paces if p.intermittent_steps), key=lambda p: -len(p.intermittent_steps))
+    limit = max(2, int(INTERMITTENT_MAX_SHARE * len(paces)))
+    evidence: dict[str, Any] = {
+        "ranks_checked": len(paces),
+        "ranks_recurring": len(recurring),
+        "recurring": [{"rank": p.rank, "host": p.host, "steps": p.intermittent_steps[:10],
+                       "count": len(p.intermittent_steps)} for p in recurring[:MAX_NAMED]],
+    }  # fmt: skip
+    if not recurring or len(recurring) > limit:
+        why = (
+            f"{len(recurring)} ranks have recurring slow steps: the job's own pattern (e.g. unsynchronised "
+            "GC), not one rank's"
+            if recurring
+            else "no rank is slow on a recurring few steps"
+        )
+        return Finding(probe=PROBE, check="intermittent", verdict="pass", summary=why, evidence=evidence)
+    worst = recurring[0]
+    gaps = sorted({b - a for a, b in itertools.pairwise(worst.intermittent_steps)})
+    every = f", every {gaps[0]} steps" if len(gaps) == 1 else ""
+    return Finding(
+        probe=PROBE,
+        check="intermittent",
+        verdict="warn",
+        summary=(
+            f"rank {worst.rank}{f' on {worst.host}' if worst.host else ''} is slow now and then: "
+            f"{len(worst.intermittent_steps)} of {len(matrix.steps)} steps at >= 1.5x the typical "
+            f"pace{every}, its other steps at pace: a periodic task on its host, throttling cycles, a flaky "
+            "link"
+        ),
+        evidence=evidence,
+        where=_where(recurring, step=worst.intermittent_steps[0]),
+    )
 
 
 def np_any_finite(values: Any) -> bool:

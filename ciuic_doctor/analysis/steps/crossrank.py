@@ -10,7 +10,13 @@ this rank is than the job's typical rank *at the same step*. From that normalise
   binary segmentation, one split, on values clipped to [0, 2] so a single 10× step cannot drag it), with
   each segment at least MIN_SEGMENT_FRACTION of the run; a shift ≥ 10 % that is significant against the
   segments' own noise is an onset (fast before, slow after) or a recovery (slow before, fast after);
-- one-off slow steps: steps ≥ 50 % (and 6 robust σ) above the others, on a rank otherwise at pace.
+- one-off slow steps: steps ≥ 50 % (and 6 robust σ) above the others, on a rank otherwise at pace;
+- a stall: ≥ STALL_MIN_STEPS consecutive steps at ≥ STALL_RATIO × the typical pace (Holmes' "irregular
+  iteration" is > 2× normal) costing ≥ MIN_COST_S: a data-loader stall, a slow read, a blocked worker.
+  One such step alone is a GC pause or a hiccup, and stays a one-off;
+- intermittent slowness: one-off steps (not in a stall) on ≥ INTERMITTENT_MIN_STEPS steps and ≥
+  INTERMITTENT_MIN_SHARE of the rank's steps, costing ≥ INTERMITTENT_MIN_COST of its time and ≥
+  MIN_COST_S: slow every n-th step (a periodic task on that host, a throttling cycle).
 
 Significance is a z-test on the segment medians: shift > SIGNIFICANCE_Z × σ × √(1/n₁ + 1/n₂), σ the
 segments' pooled MAD (× 1.4826). Z = 5 leaves room for the 1,024 ranks × ~1,000 candidate splits each
@@ -50,6 +56,14 @@ MIN_SEGMENT_STEPS = 10
 MIN_SEGMENT_FRACTION = 0.05
 ONE_OFF_FRACTION = 0.5  # a single step ≥ 50 % slower than the others
 ONE_OFF_SIGMAS = 6.0
+STALL_RATIO = 2.0
+STALL_MIN_STEPS = 2
+INTERMITTENT_MIN_STEPS = 4
+INTERMITTENT_MIN_SHARE = 0.02
+INTERMITTENT_MIN_COST = 0.01  # the recurring steps cost >= 1 % of the rank's time...
+# ...and a stall or the recurring steps together cost the job >= 1 s: a loader stall (a worker restart, a
+# slow shard read) takes seconds; a tiny job's 20 ms steps doubling under CPU contention is not one
+MIN_COST_S = 1.0
 
 
 @dataclass(kw_only=True)
@@ -64,6 +78,9 @@ class RankPace:
     before: float | None = None
     after: float | None = None
     one_off_steps: list[int] = field(default_factory=list)
+    stall_steps: list[int] = field(default_factory=list)  # the longest run of consecutive stalled steps
+    stall_ratio: float | None = None  # its median pace over the typical rank's
+    intermittent_steps: list[int] = field(default_factory=list)
 
     @property
     def excess_pct(self) -> float:
@@ -159,6 +176,10 @@ def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seco
         sigma = MAD_TO_SIGMA * row_medians(deviation)
         spikes = norm - level[:, None] >= np.maximum(ONE_OFF_FRACTION, ONE_OFF_SIGMAS * sigma)[:, None]
     del deviation
+    with quiet_nan():
+        big = norm >= STALL_RATIO
+    stalled = (big[:, 1:] & big[:, :-1]).any(axis=1) if norm.shape[1] > 1 else np.zeros(len(norm), bool)
+    del big
     out: list[RankPace] = []
     for i, rank in enumerate(matrix.ranks[lo : lo + len(norm)].tolist()):
         pace = RankPace(rank=rank, host=matrix.hosts[lo + i], level=float(level[i]), kind="ok")
@@ -189,8 +210,36 @@ def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seco
             pace.one_off_steps = [int(s) for s in one_off]
             if pace.kind == "ok":
                 pace.kind = "one_off"
+        if stalled[i] or len(one_off) >= INTERMITTENT_MIN_STEPS:
+            with quiet_nan():  # seconds beyond the typical rank's at each step
+                excess = np.nan_to_num(matrix.pace_s[lo + i] * (1.0 - 1.0 / row), nan=0.0)
+            if stalled[i]:
+                _stall(pace, row, excess, matrix.steps)
+            recurring = sorted(set(pace.one_off_steps) - set(pace.stall_steps))
+            cost = float(excess[np.isin(matrix.steps, recurring)].sum())
+            if len(recurring) >= max(
+                INTERMITTENT_MIN_STEPS, INTERMITTENT_MIN_SHARE * n_steps
+            ) and cost >= max(MIN_COST_S, INTERMITTENT_MIN_COST * float(np.nansum(matrix.pace_s[lo + i]))):
+                pace.intermittent_steps = recurring
         out.append(pace)
     return out
+
+
+def _stall(pace: RankPace, row: np.ndarray, excess: np.ndarray, steps: np.ndarray) -> None:
+    """The rank's longest run of consecutive steps at >= STALL_RATIO x the typical pace, if long enough
+    and costing the job >= MIN_COST_S."""
+    import numpy as np
+
+    big = np.r_[False, np.nan_to_num(row, nan=0.0) >= STALL_RATIO, False].astype(np.int8)
+    edges = np.flatnonzero(np.diff(big))
+    starts, ends = edges[::2], edges[1::2]
+    if not len(starts):
+        return
+    longest = int(np.argmax(ends - starts))
+    a, b = int(starts[longest]), int(ends[longest])
+    if b - a >= STALL_MIN_STEPS and float(excess[a:b].sum()) >= MIN_COST_S:
+        pace.stall_steps = [int(s) for s in steps[a:b]]
+        pace.stall_ratio = round(float(np.median(row[a:b])), 2)
 
 
 @dataclass(kw_only=True)

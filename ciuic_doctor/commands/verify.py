@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --try: try RUN's recommended changes as well",
     )
+    from ciuic_doctor.verify.nodes import add_slurm_arguments
+
+    add_slurm_arguments(parser)
     parser.add_argument(
         "--include-unverified",
         action="store_true",
@@ -80,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = RunDir.open(args.run)
     options = options_from_args(args)
+    from ciuic_doctor.verify.nodes import choice_from_args
+
+    options.slurm = choice_from_args(args)
     data = verify_run(run_dir, options, say=lambda text: print(text, flush=True))
     result = build_report(run_dir, include_unverified=args.include_unverified)
     print(f"\nverified in {data['seconds']:.0f} s ({data['rounds']} round(s)):")

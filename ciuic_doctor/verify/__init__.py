@@ -42,6 +42,7 @@ class Options:
     max_rounds: int = 12
     tries: list[tuple[str, Any]] = field(default_factory=list)  # --try KEY=VALUE, in order
     only_tries: bool = False  # --try given: the recommendations are left out unless --with-recommendations
+    slurm: Any = None  # verify.nodes.SlurmChoice: a multi-node job's runs go to its nodes through Slurm
 
 
 def options_from_args(args: Any) -> Options:
@@ -153,6 +154,9 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
     """Verify RUN's changes on its job; writes RUN/verification.json and returns it."""
     meta = run.read_meta()
     command, kind = job_of(run, meta, options.steps)
+    from ciuic_doctor.verify.nodes import spread_for
+
+    command.spread = spread_for(meta, options.slurm, str(run.path))  # None: on this host
     _check_tries(kind, options.tries, meta)  # a bad --try is a usage error, before anything runs
     recs = [] if options.only_tries else _recommendations(run)
     found = candidates(recs, options.tries, kind)

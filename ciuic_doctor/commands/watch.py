@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.cluster import NODE_ENV, node_identity
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -258,6 +259,8 @@ def _report(
         fields["set"] = list(args.set_items)
     if session.checksum_note:
         fields["checksum"] = session.checksum_note
+    if os.environ.get(NODE_ENV):  # a Slurm task: which node, job and step rank 0 ran in
+        fields["slurm"] = node_identity()
     if session.rank == 0:
         session.run.record_probe("watch", argv=argv, **fields)
     line = f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}"

@@ -156,11 +156,18 @@ class Spread:
         if proc.poll() is None and not ids:
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()  # not queued yet: srun still asks for resources; it withdraws on SIGTERM
+        deadline = time.monotonic() + CANCEL_WAIT_S
         try:
             proc.wait(timeout=CANCEL_WAIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        # a cancelled job stays listed while its tasks end (COMPLETING): return once it has left the queue
+        while ids and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if not self.scheduler.ids_named(name, job_id):
+                    break
+            time.sleep(0.2)
         return ids
 
 

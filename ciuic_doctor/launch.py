@@ -123,8 +123,19 @@ def allocation_spread(nproc_per_node: int | None, *, force: bool = False, gpus: 
     alloc = scheduler.allocation()
     if alloc is None:
         raise UserError("--slurm: run inside an allocation (salloc -N 2 ..., or a batch script)")
+    # In a task of a step (SLURM_STEP_ID is set under srun, not in a batch script or salloc's shell): with
+    # several tasks each would start its own step over every node; alone (`srun --pty bash`) it holds
+    # the CPUs its own step needs, so that step shares them (--overlap) instead of waiting forever.
+    in_step = "SLURM_STEP_ID" in os.environ
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    if in_step and tasks.isdigit() and int(tasks) > 1:
+        raise UserError(
+            f"this runs once per allocation and starts one task per node itself, but it is one of {tasks} "
+            "tasks of an srun step: run it from the salloc shell or the batch script, not under srun"
+        )
+    per_node = nproc_per_node or gpus or 1
     return Spread(
-        scheduler=scheduler, alloc=alloc, nnodes=len(alloc.nodes), nproc_per_node=nproc_per_node or gpus or 1
+        scheduler=scheduler, alloc=alloc, nnodes=len(alloc.nodes), nproc_per_node=per_node, overlap=in_step
     )
 
 

@@ -2,7 +2,7 @@
 
 Every number a user types is checked here, once, with one clear line when it is wrong: `inf`, `nan` and
 `1e308` are refused before they reach `time.sleep`, `timedelta` or a size loop, where they raised
-OverflowError (issue 11).
+OverflowError.
 
 >>> positive_float("0.5")
 0.5
@@ -84,3 +84,16 @@ def non_negative_float(text: str) -> float:
     value = _float(text)
     _checked(value, text, minimum=0.0, inclusive=True)
     return value
+
+
+def add_set(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--set KEY=VALUE` (repeatable, into args.set_items): one setting changed for the run; `what` says
+    which keys the command takes. checkup and watch declare it here, so the two read the same."""
+    parser.add_argument(
+        "--set",
+        dest="set_items",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help=f"{what} (job-spec key, TOML value; repeatable)",
+    )

@@ -42,7 +42,7 @@ def in_torchrun() -> bool:
 
 def check_nproc(nproc: int, source: str = "--nproc") -> None:
     """Refuse more local ranks than CPUs: each rank is a process with its own threads, and --nproc 999
-    started 229 ranks on 2 cores before the machine ran out of memory (issue 11). torchrun has no such
+    started 229 ranks on 2 cores before the machine ran out of memory. torchrun has no such
     limit, for whoever means it."""
     cpus = os.cpu_count() or 1
     if nproc < 1:
@@ -97,7 +97,7 @@ def launch_local(
         raise ProbeFailed(describe_failure(exc)) from None
     except SignalException as exc:
         # torch's agent turns Ctrl-C into SignalException, which reached the user as a traceback and
-        # exit 1; the README promises 130 and every record kept (issue 11).
+        # exit 1; the README promises 130 and every record kept.
         if exc.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
         raise Interrupted(exc.sigval) from None
@@ -189,7 +189,7 @@ def _prctl(option: int, value: int) -> bool:
 def die_with_launcher() -> None:
     """In a rank our launcher started: SIGTERM this rank when the launcher dies, even by SIGKILL.
 
-    After kill -9 of `ciuic-doctor job` its ranks kept training (issue 11). SIGTERM, not SIGKILL, so the
+    After kill -9 of `ciuic-doctor job` its ranks kept training. SIGTERM, not SIGKILL, so the
     rank's own exit shuts its DataLoader workers and forkserver down. A process whose parent is not the
     launcher (a DataLoader worker inheriting the variable) is left alone; so is a rank whose launcher is
     already gone, which exits now.

@@ -158,7 +158,7 @@ class Checkup:
 
         # Did the job hang: the hang doctor judged the ranks' dumps a hang (a dump made when checkup's own
         # --timeout stopped a slow, healthy job says "not hung when dumped"). A job phase that ran out of
-        # --timeout is "did not finish", not "hung" (issue 22).
+        # --timeout is "did not finish", not "hung".
         hung = has_hang_dumps(self.run.path) and any(
             f.probe == "hang" and f.check == "hang" and f.verdict == "fail" for f in result.findings
         )

@@ -79,7 +79,7 @@ def _watch_phase(
         checkup.skip("memwatch", "no job to attach to (job left out with --skip)")
         return
     watch = ["watch", "--out", out, *(["--steps", str(args.steps)] if args.steps else [])]
-    watch += [x for item in getattr(args, "set_items", []) for x in ("--set", item)]  # issue 21
+    watch += [x for item in getattr(args, "set_items", []) for x in ("--set", item)]
     watch += ["--", *argv]
     launcher = None
     if nproc > 1:  # torch's own launcher, as the user would run the script

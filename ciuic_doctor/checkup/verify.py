@@ -1,4 +1,4 @@
-"""`checkup --verify` (issue 21): after the report, try each recommended change on the job the checkup
+"""`checkup --verify`: after the report, try each recommended change on the job the checkup
 ran (as `ciuic-doctor verify RUN` does), then write the report again with the statuses."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ ORDER = 60
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", metavar="RUN", help="a run directory written by any probe")
     parser.add_argument("--json", action="store_true", help="print findings.json instead of a table")
-    parser.add_argument(  # issue 27
+    parser.add_argument(
         "--peak-tflops",
         type=positive_float,
         metavar="T",

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ciuic_doctor.checkup.phases import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
-from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
 from ciuic_doctor.commands.verify import add_budget
 
 NAME = "checkup"
@@ -56,14 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an earlier checkup to compare with (apply and verify: checkup, apply the recommendations, "
         "checkup --baseline <first run>)",
     )
-    parser.add_argument(  # issue 21
-        "--set",
-        dest="set_items",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="check the job with this setting changed (job-spec key, TOML value; repeatable): any spec key "
-        "for the embedded job, the `watch --set` keys for a script",
+    add_set(
+        parser,
+        "check the job with this setting changed: any spec key for the embedded job, the `watch --set` keys "
+        "for a script",
     )
     verify = parser.add_argument_group("try the recommendations on the job: checkup --verify")
     verify.add_argument(
@@ -105,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.rundir.store import default_run_path
 
     args.out = str(default_run_path("checkup", args.out))  # one folder for the checkup and its verify
-    if script := checkup_script.script_argv(args):  # issue 14: the user's own script
+    if script := checkup_script.script_argv(args):  # the user's own script
         from ciuic_doctor.probes.watch.overrides import parse
 
-        parse(args.set_items)  # issue 21: a bad --set is refused before anything runs
+        parse(args.set_items)  # a bad --set is refused before anything runs
         code = checkup_script.run(args, script)
     else:
         code = _run_embedded(args)
-    if args.verify:  # issue 21
+    if args.verify:
         from ciuic_doctor.checkup.verify import verify_phase
 
         return verify_phase(args) or code
@@ -157,7 +153,7 @@ def _run_embedded(args: argparse.Namespace) -> int:
         check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
-    if args.set_items:  # issue 21: every phase (and the report) runs the job as --set changed it
+    if args.set_items:  # every phase (and the report) runs the job as --set changed it
         from ciuic_doctor.jobs.spec import dump_spec
 
         args.spec = str(run_dir.write_text("checkup-spec.toml", dump_spec(spec)).resolve())

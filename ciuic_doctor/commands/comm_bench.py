@@ -91,7 +91,7 @@ def check_fits(max_bytes: int, world: int, local_ranks: int) -> None:
     """Refuse a size whose buffers cannot fit this host's memory (on CPU, where gloo puts them).
 
     A rank holds about (world + 2) x the size at once (all_gather's output is world x the input, plus
-    input and a check copy); `-e 1000T` grew to 8.5 GB before it died (issue 11). On GPUs the buffers are
+    input and a check copy); `-e 1000T` grew to 8.5 GB before it died. On GPUs the buffers are
     on the device; NCCL reports its own out-of-memory.
     """
     import torch
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default ring,tree on NCCL; 'default' = NCCL's own choice; gloo has one algorithm)",
     )
     what.add_argument("--root", type=non_negative_int, default=0, help="broadcast root rank (default 0)")
-    what.add_argument(  # issue 27
+    what.add_argument(
         "--splits-from",
         metavar="RUN",
         help="instead of the size sweep: all_to_all with the split sizes a job's recorded MoE routing "
@@ -305,7 +305,7 @@ def _run_rank(args: argparse.Namespace) -> int:
         splits_from=args.splits_from,
     )
     try:
-        if args.splits_from:  # issue 27: all_to_all with a job's recorded routing
+        if args.splits_from:  # all_to_all with a job's recorded routing
             from ciuic_doctor.probes.comm.splits_bench import SplitsBench
 
             return run_bench(cfg, SplitsBench)

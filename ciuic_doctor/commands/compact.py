@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     def stop(signum: int, frame: object) -> None:
         # SIGTERM: leaving the pool lets the files being written finish (each renamed into place or
-        # removed: no .tmp stays, issue 22), then the exit is 143
+        # removed: no .tmp stays), then the exit is 143
         from ciuic_doctor.launch import Interrupted
 
         raise Interrupted(signum)

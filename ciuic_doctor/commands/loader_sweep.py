@@ -100,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # More workers than this is a typo, not a sweep: each is a process (~100 MB), and 500 of them exhausted
-# this 2-core machine before the first batch (issue 11).
+# this 2-core machine before the first batch.
 MAX_WORKERS_PER_CPU = 8
 MAX_WORKERS_FLOOR = 32
 

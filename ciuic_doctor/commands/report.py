@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="RUN_A",
         help="add a comparison with this earlier run (changes with 95 %% CIs, plots overlaid)",
     )
-    parser.add_argument(  # issue 21
+    parser.add_argument(
         "--include-unverified",
         action="store_true",
         help="recommended.env/.toml: add the changes not shown to help on the job (verify), commented out",

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from ciuic_doctor.cli_args import add_out, positive_float, positive_int
+from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
 from ciuic_doctor.cluster import NODE_ENV, node_identity
 
 NAME = "watch"
@@ -95,14 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Flight Recorder entries kept per rank (TORCH_FR_BUFFER_SIZE; default 2000)",
     )
-    parser.add_argument(  # issue 26
+    parser.add_argument(
         "--metrics-port",
         type=positive_int,
         metavar="N",
         help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
         "started by local rank 0 in a process of its own; it ends with the job)",
     )
-    parser.add_argument(  # issue 27: probes/watch/moe.py
+    parser.add_argument(  # probes/watch/moe.py
         "--moe-every",
         type=positive_int,
         default=10,
@@ -120,16 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the accelerator's dense peak TFLOP/s for MFU, when the built-in table does not know it (a CPU "
         "run, a new device); kept in meta.json for analyze",
     )
-    parser.add_argument(  # issue 21
-        "--set",
-        dest="set_items",
-        metavar="KEY=VALUE",
-        action="append",
-        default=[],
-        help="run the script with this setting changed (job-spec key, TOML value; repeatable): "
-        "dataloader.num_workers / prefetch_factor / pin_memory / persistent_workers, "
-        "precision.init_scale / growth_interval, optim.clip_max_norm, distributed.timeout_s, "
-        "distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to ends it with exit 2",
+    add_set(
+        parser,
+        "run the script with this setting changed: dataloader.num_workers / prefetch_factor / pin_memory / "
+        "persistent_workers, precision.init_scale / growth_interval, optim.clip_max_norm, "
+        "distributed.timeout_s, distributed.env.NCCL_*|TORCH_*|GLOO_*; a key the script gives no hold to "
+        "ends it with exit 2",
     )
     parser.add_argument(
         "script_argv",  # not "command": the CLI front keeps the sub-command's name there
@@ -146,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     check_target(argv)
-    from ciuic_doctor.probes.watch import overrides as watch_overrides  # issue 21; no torch here
+    from ciuic_doctor.probes.watch import overrides as watch_overrides  # no torch here
 
     settings = watch_overrides.parse(args.set_items)  # unknown keys, bad values: exit 2 before running
     args.start_cwd = os.getcwd()  # the script may chdir; verify starts it where the user did
@@ -187,10 +183,10 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.probes.watch import sentinel
 
         sentinel.start(session.run.path, session.rank)
-    if args.peak_tflops and session.rank == 0 and not args.child:  # issue 27
+    if args.peak_tflops and session.rank == 0 and not args.child:
         session.run.update_meta(mfu={"peak_tflops": args.peak_tflops, "source": "watch --peak-tflops"})
     started = time.time()
-    if args.metrics_port and not args.child:  # issue 26: one exporter per node, outside this process
+    if args.metrics_port and not args.child:  # one exporter per node, outside this process
         from ciuic_doctor.live.exporter import should_start, start_exporter
 
         if should_start():
@@ -219,12 +215,12 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)  # e.g. --steps ended it before the first-step check
             forced.refused, code = line, watch_overrides.REFUSED_EXIT
         status = {0: "finished", 130: "interrupted"}.get(code, "failed")
-        status = "refused" if forced.refused else status  # issue 21: a --set key it gives no hold to
+        status = "refused" if forced.refused else status  # a --set key it gives no hold to
     except BaseException:  # our own failure around the script: still say how it ended
         status = "failed"
         raise
     finally:
-        forced.close()  # issue 21: before watch's own hooks go
+        forced.close()  # before watch's own hooks go
         undo_exit()
         disarm(code)
         session.close()

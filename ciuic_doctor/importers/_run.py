@@ -99,7 +99,7 @@ def _records(log: StepLog):  # -> Iterator[dict]
             "nonfinite": bad,
         }
         if record["t"] is None:  # a log without time stamps: the stream's schema needs a time, so the
-            del record["t"]  # writer stamps the import's own (the report then draws the rows; issue 24)
+            del record["t"]  # writer stamps the import's own (the report then draws the rows)
         yield record
 
 

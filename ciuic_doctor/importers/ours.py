@@ -35,7 +35,7 @@ WANTED = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "skipped
 IMPORTED_ONLY = ("interval_steps", "series", "attempted_scale")
 _NUMERIC = ("rank", "step", "t", "loss", "lr", "grad_norm", "loss_scale", "clip_max_norm",
             "interval_steps", "series", "attempted_scale")  # fmt: skip
-# Since issue 13 watch records the scale update() set after a step, and which optimizer stepped.
+# watch records the scale update() set after a step, and which optimizer stepped.
 WANTED = (*WANTED, "loss_scale_next", "optimizer")
 _NUMERIC = (*_NUMERIC, "loss_scale_next", "optimizer")
 _FLATTEN = bytes.maketrans(b",", b":")
@@ -70,7 +70,7 @@ def to_steplog(raw, *, read_lines: int, unread_lines: int, meta_dir: Path, name:
     # what is read and let go first, while nothing of the table is held: a column with nulls is a copy
     clip = _last_number(raw.get("clip_max_norm"))
     series, series_names = _optimizer_series(raw)
-    # Since issue 13 watch records the scale a step used (loss_scale) and the one update() set after it
+    # watch records the scale a step used (loss_scale) and the one update() set after it
     # (loss_scale_next); the table's loss_scale is the latter, as Megatron and DeepSpeed logs print it.
     scale = raw.get("loss_scale")
     next_scale = _numbers(raw.get("loss_scale_next"))

@@ -1,7 +1,7 @@
 """A dead or hung rank of the job named in one line, within the process-group timeout plus seconds.
 
 Before this, a SIGSTOPped rank left the survivor blocked until the gloo timeout (the spec's 1800 s by
-default), then printing a raw gloo traceback, and the summary said "killed by SIGKILL" (issue 11). The
+default), then printing a raw gloo traceback, and the summary said "killed by SIGKILL". The
 job now runs comm-bench's heartbeat watch (probes/comm/faults.py): each step is a row; when a
 collective fails, the survivors read the heartbeats and the first one to decide says which rank died or
 is not responding, and on which host.

@@ -40,8 +40,8 @@ class JobOptions:
     resume: Path | None = None
     watch: bool = True
     out: str | None = None
-    moe_every: int = 10  # issue 27: steps between MoE expert-load samples
-    peak_tflops: float | None = None  # issue 27: the device's peak for MFU, when the table lacks it
+    moe_every: int = 10  # steps between MoE expert-load samples
+    peak_tflops: float | None = None  # the device's peak for MFU, when the table lacks it
 
 
 def median_step_s(times: list[float]) -> float | None:
@@ -108,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-watch", action="store_true", help="do not record steps (for measuring watch's own overhead)"
     )
-    parser.add_argument(  # issue 27
+    parser.add_argument(
         "--moe-every",
         type=positive_int,
         default=10,

@@ -121,7 +121,7 @@ class JobProgress:
             info.update(nodes=world.world // int(local), procs_per_node=int(local))
         if self.lead and self.run is not None:
             self.run.update_meta(spec=self.spec.to_dict(), spec_source=self.spec.source, job_run=info)
-            if self.options.peak_tflops:  # issue 27: the peak MFU is judged against
+            if self.options.peak_tflops:  # the peak MFU is judged against
                 self.run.update_meta(
                     mfu={"peak_tflops": self.options.peak_tflops, "source": "job --peak-tflops"}
                 )

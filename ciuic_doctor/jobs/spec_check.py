@@ -1,7 +1,7 @@
 """Validate a whole job spec once, up front, and list every bad key with what it must be.
 
 Before this, a string batch size, `base_lr = nan`, zero heads or three betas passed the loader and crashed
-inside every rank with a traceback (issue 11). `problems(data)` checks the merged TOML data (default +
+inside every rank with a traceback. `problems(data)` checks the merged TOML data (default +
 file + `--set`) and returns one line per bad key; `spec.py` raises them as one UserError naming the
 source to blame (the file, or the `--set` that set the key).
 
@@ -158,7 +158,7 @@ def _model_problems(model: dict[str, Any]) -> list[str]:
 
 def _largest_matrix_bytes(model: dict[str, int]) -> int:
     """fp32 bytes of the model's largest single weight (the embedding or an MLP), a lower bound of what
-    one rank allocates: `job` with hidden_size = 1e9 died in every rank asking for 4 TB (issue 22)."""
+    one rank allocates: `job` with hidden_size = 1e9 died in every rank asking for 4 TB."""
     hidden = model.get("hidden_size", 128)
     widest = max(model.get(k, 0) for k in ("vocab_size", "intermediate_size", "moe_intermediate_size"))
     return 4 * hidden * max(widest, hidden)

@@ -120,7 +120,7 @@ class Trainer:
         self.lr, self.global_batch = effective_lr(spec, world.world)
 
         self.module = build_model(spec, world.device)
-        injections.apply_to_model(self.module)  # moe-bias plants an unbalanced router (issue 27)
+        injections.apply_to_model(self.module)  # moe-bias plants an unbalanced router
         self.balancer = LoadBalancer(self.module)  # DeepSeek-V3's bias update: a balanced default
         self.model: torch.nn.Module = self.module
         if world.backend is not None:

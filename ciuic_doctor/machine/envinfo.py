@@ -39,7 +39,7 @@ CAPTURED_NAMES = (
     "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID",
 )  # fmt: skip
 # `user[:password]@` up to the *last* @ before the host: a password may hold an @ itself (`p@ss`), which
-# the first @ would have cut in two (`https://<redacted>@ss@host/`, issue 11). JSON escapes (`\"`) may
+# the first @ would have cut in two (`https://<redacted>@ss@host/`). JSON escapes (`\"`) may
 # sit inside; a '/', whitespace, a quote or an angle bracket ends the authority.
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:\\.|[^/\s\"<>\\])*@")
 _SECRET_WORD = r"(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)"
@@ -102,7 +102,7 @@ def redact_argv(argv: list[str]) -> list[str]:
 def _secret_values(environ_key: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     """Each secret value in every form it can take in a file: raw, JSON-escaped with `\\uXXXX` (our JSON
     lines), and JSON-escaped with the UTF-8 kept (indent=2 files). A value holding `"`, `\\` or non-ASCII
-    differs in those forms, and only the raw one was matched before (issue 11)."""
+    differs in those forms, and only the raw one was matched before."""
     import json
 
     values: set[str] = set()

@@ -250,7 +250,7 @@ def rule_flight_recorder(ctx: Context, plan: Plan) -> None:
 
 def rule_stragglers(ctx: Context, plan: Plan) -> None:
     """Ranks consistently slower than the others, in collectives (comm-bench) or in step time (watch)."""
-    # issue 15: steps' straggler_onset (slow from step k) and slow_host (a whole host) are stragglers too
+    # steps' straggler_onset (slow from step k) and slow_host (a whole host) are stragglers too
     kinds = {"straggler": "collectives", "step_time": "step time", "straggler_onset": "from a step on"}
     kinds["slow_host"] = "whole host"
     for finding in [f for check in kinds for f in ctx.all(check)]:

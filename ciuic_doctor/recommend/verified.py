@@ -1,4 +1,4 @@
-"""What `verify` found, applied to the recommendations (issue 21): each change that was tried carries
+"""What `verify` found, applied to the recommendations: each change that was tried carries
 its status and interval, and only what helps, or is arithmetic / a documented fact, reaches the files.
 
     helps                 kept; it goes into recommended.env / recommended.toml

@@ -114,7 +114,7 @@ def build_report(
     plan = recommend(spec, findings, meta, resolved=resolved)
     from ciuic_doctor.recommend import verified
 
-    verification = verified.load(run)  # issue 21: what `verify` found, change by change
+    verification = verified.load(run)  # what `verify` found, change by change
     plan = verified.apply(plan, verification)
     file_plan, unverified = verified.for_files(plan)
     if progress is not None:
@@ -127,7 +127,7 @@ def build_report(
     ]
     context = Context(spec=spec, findings=findings, meta=meta, resolved=resolved)
     tips = evaluate_tips(context, grad_norms=grad_norms)
-    # issue 24: an imported log without a job spec of its own is not judged as the embedded job.
+    # an imported log without a job spec of its own is not judged as the embedded job.
     unknown = imported.spec_unknown(meta, resolved.kind)
     if unknown is not None:
         plan, tips = imported.gate_plan(plan, unknown), imported.gate_tips(tips, unknown)

@@ -35,7 +35,7 @@ _BARE_TOML_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 def _toml_string(value: str) -> str:
     """A TOML basic string: JSON's escapes (\\", \\\\, \\n, \\uXXXX) are TOML's too, so no value can
-    end its line or its quotes (a newline in a name made recommended.toml invalid, issue 11)."""
+    end its line or its quotes (a newline in a name made recommended.toml invalid)."""
     return json.dumps(value)
 
 

@@ -182,7 +182,7 @@ def render(
             "shown": show_value(r.value, r.setting),
             "current_shown": show_value(r.current) if r.current is not None else "—",
             "change": is_change(r),
-            "verified": status_text(r.evidence),  # issue 21: what `verify` found on the job
+            "verified": status_text(r.evidence),  # what `verify` found on the job
         }
         for r in plan.recommendations
     ]

@@ -132,7 +132,7 @@ def nodes_note(entry: Any) -> str | None:
 
 
 def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
-    routed = [r for r in records if r.get("splits")]  # issue 27: comm-bench --splits-from
+    routed = [r for r in records if r.get("splits")]  # comm-bench --splits-from
     records = [r for r in records if not r.get("splits")]
     svg = busbw_plot(records)
     if svg:
@@ -328,7 +328,7 @@ def build_sections(
             comm_content(section, streams["comm"])
             if note := nodes_note((meta.get("probes") or {}).get("comm-bench")):
                 section.notes.append(note)
-        elif section.id == "job" and import_summary(meta) is not None:  # issue 24: a report about the log
+        elif section.id == "job" and import_summary(meta) is not None:  # a report about the log
             imported_job_content(section, meta, streams["steps"])
         elif section.id == "job":
             job_content(section, streams["steps"], section.findings)
@@ -352,4 +352,4 @@ def build_sections(
             checkpoint_content(section, streams["checkpoint"], section.findings)
         else:
             generic_content(section, streams.get(section.streams[0], []))
-    return sections + model_sections(findings) + hang_sections(findings)  # issues 27, 16
+    return sections + model_sections(findings) + hang_sections(findings)

@@ -93,8 +93,10 @@ class StepTable:
     # ---- blocks of rows ---------------------------------------------------------------------------
     def _keys(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """rank and step of rows [start, stop) as int64 (views without nulls) and which have both."""
-        rank, rank_ok = _ints(self.table["rank"].slice(start, stop - start))
-        step, step_ok = _ints(self.table["step"].slice(start, stop - start))
+        from ciuic_doctor.rundir.frames import whole_values
+
+        rank, rank_ok = whole_values(self.table["rank"].slice(start, stop - start))
+        step, step_ok = whole_values(self.table["step"].slice(start, stop - start))
         valid = rank_ok if step_ok is None else step_ok if rank_ok is None else rank_ok & step_ok
         return rank, step, valid
 
@@ -153,22 +155,21 @@ class StepTable:
         ranks (a rank longer than a block is a block); one empty block when no row has a rank and a step."""
         import numpy as np
 
+        from ciuic_doctor.analysis.stats.rank_blocks import block_bounds
+        from ciuic_doctor.rundir.frames import whole_values
+
         table = self.table.select(list(PER_RANK_COLUMNS))
         order = self._order
-        rank = _ints(table["rank"])[0]
+        rank = whole_values(table["rank"])[0]
         if order is not None:
             rank = rank[order]
         starts = np.flatnonzero(rank[1:] != rank[:-1]) + 1  # where a rank's rows begin (but the first)
         rows = len(rank)
         del rank
-        start = 0
-        while True:
-            after = np.searchsorted(starts, start + BLOCK_ROWS)
-            stop = int(starts[after]) if after < len(starts) else rows
+        if not rows:
+            yield table.slice(0, 0) if order is None else table.take(order)
+        for start, stop in block_bounds(starts, rows, BLOCK_ROWS):
             yield table.slice(start, stop - start) if order is None else table.take(order[start:stop])
-            if stop >= rows:
-                return
-            start = stop
 
     def per_rank(self) -> pd.DataFrame:
         """summarise of every rank (one row each, by rank)."""
@@ -178,13 +179,6 @@ class StepTable:
 
         frames = (plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
         return pd.concat([summarise(frame) for frame in frames], ignore_index=True)
-
-
-def _ints(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray | None]:
-    """An int64 column as numpy (a view when it has no nulls; nulls as 0) and its validity (None: all)."""
-    if not column.null_count:
-        return column.to_numpy(), None
-    return column.fill_null(0).to_numpy(), column.is_valid().to_numpy()
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:

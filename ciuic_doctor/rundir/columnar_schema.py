@@ -1,7 +1,7 @@
 """A stream's schema (ciuic_doctor.rundir.schemas) as pyarrow's JSON reader can check it: validation
 column-wise.
 
-`schemas.validate` judges one record at a time (2.05 M calls, 153 s of a 1,024-rank report, issue 25).
+`schemas.validate` judges one record at a time (2.05 M calls, 153 s of a 1,024-rank report).
 pyarrow's reader, given an explicit type per field, refuses a file in which any value has another JSON
 type — the same test `validate` makes of each field, made once per column in C++. So a file that parses
 with every field of the stream's schema typed strictly, whose required fields are never null, whose

@@ -2,7 +2,7 @@
 
 Readers (`store.read_jsonl`, and any columnar reader of the same files) call `validate(stream, record)`
 and skip a record it refuses, counting it like a torn line, so a bad field cannot crash an analysis:
-a fuzz of single fields across every stream found 42 crash sites in analyze and report (issue 11).
+a fuzz of single fields across every stream found 42 crash sites in analyze and report.
 
 A schema names the fields the analyses read; a field not named is free (probes add fields), a field
 named may be absent unless it is in `REQUIRED`. Types are JSON's: "int" (not bool), "number" (int or
@@ -109,7 +109,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "slowest_rank": OPT_INT,
         "slowest_host": OPT_STR,
         "rank_time_us": OPT_NUMBERS,
-        "splits": OPT_STR,  # issue 27: comm-bench --splits-from: "routed" (the job's routing) or "even"
+        "splits": OPT_STR,  # comm-bench --splits-from: "routed" (the job's routing) or "even"
         "layer": OPT_INT,
         "max_send_bytes": OPT_INT,
         "max_recv_bytes": OPT_INT,
@@ -207,7 +207,7 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "explicit_workers": OPT_BOOL,
         "torch_threads": OPT_INT,
     },
-    # issue 27: watch's MoE router hook, one record per router per sampled step (probes/watch/moe.py)
+    # watch's MoE router hook, one record per router per sampled step (probes/watch/moe.py)
     "moe": {
         **COMMON,
         "step": INT,
@@ -379,7 +379,7 @@ def validate(stream: str, record: Any) -> str | None:
 
 # A finite number beyond ±1e150 in a record is off schema: no measurement ciuic-doctor reads comes near
 # it (float32 / bf16 end at 3.4e38, a day is 8.6e10 us), and means, ratios and differences of 1e308
-# overflow (compare and report raised on them, issue 22). Non-finite values stay: they are findings.
+# overflow (compare and report raised on them). Non-finite values stay: they are findings.
 NUMBER_BOUND = 1e150
 # Measurements that cannot be negative (a busbw of -1e308 made compare take the log of a negative ratio).
 NONNEGATIVE: dict[str, frozenset[str]] = {
@@ -445,8 +445,8 @@ META: dict[str, frozenset[str]] = {
     "job": DICT,
     "source": frozenset({"str", "dict", "null"}),
     "observed": OPT_DICT,
-    "model": OPT_DICT,  # issue 27: the watched model's class, config fields, seq_len (probes/watch/moe.py)
-    "mfu": OPT_DICT,  # issue 27: the peak a user gave (analyze --peak-tflops)
+    "model": OPT_DICT,  # the watched model's class, config fields, seq_len (probes/watch/moe.py)
+    "mfu": OPT_DICT,  # the peak a user gave (analyze --peak-tflops)
 }
 # One level down, where the readers go: probes.<name> and env.cpu / env.world / env.env are dicts,
 # env.devices a list of dicts.

@@ -217,7 +217,7 @@ class RunDir:
 
         A folder that is not empty and not a run (`--out /`, `--out ~/project`) is refused: writing there
         merged into its meta.json, appended to its .jsonl files and let `report` overwrite its own
-        summary.md (issue 11). `force` takes it anyway and stamps meta.json, so it is a run from then on.
+        summary.md. `force` takes it anyway and stamps meta.json, so it is a run from then on.
         `force_option`: the command has --force, so the refusal may offer it (stability, hang, merge and
         compare have none: their message must not send the user to an option that is refused).
         """
@@ -257,7 +257,7 @@ class RunDir:
     def claim_outputs(self) -> None:
         """Before analyze / report write their files: a folder whose meta.json ciuic-doctor did not write
         (a folder of the user's own *.jsonl) that already holds a file of those names is refused, so a
-        user's summary.md is never replaced (issue 11, still open in issue 22); otherwise meta.json is
+        user's summary.md is never replaced; otherwise meta.json is
         stamped, so the folder is a run from then on and the next report may replace its own files."""
         if _is_our_meta(self.meta_path):
             return

@@ -68,7 +68,7 @@ def _open_regular(path: Path, max_bytes: int = safe_io.MAX_STREAM_BYTES) -> int:
     """A read-only descriptor of a regular file reached without a symlink, of at most `max_bytes`;
     OSError (safe_io.Unsafe) for a symlink, directory, FIFO, socket or device, or a file too large.
 
-    O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one, issue 11).
+    O_NONBLOCK: opening a FIFO with no writer would block forever (`report` hung on one).
     """
     return safe_io.open_regular(path, max_bytes=max_bytes)
 

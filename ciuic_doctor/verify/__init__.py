@@ -1,4 +1,4 @@
-"""Try every recommended change on the job it is for, and keep only what helps (issue 21).
+"""Try every recommended change on the job it is for, and keep only what helps.
 
     from ciuic_doctor.verify import Options, verify_run
     data = verify_run(RunDir.open("reports/run"), Options(budget_s=480), say=print)

@@ -82,7 +82,7 @@ class BenchConfig:
     root: int = 0
     out: str | None = None
     argv: list[str] = field(default_factory=list)
-    splits_from: str | None = None  # issue 27: a run's recorded MoE routing -> all_to_all split sizes
+    splits_from: str | None = None  # a run's recorded MoE routing -> all_to_all split sizes
 
 
 class Bench:
@@ -366,7 +366,7 @@ def _count_nodes(hosts: list[str]) -> str:
 def run_bench(cfg: BenchConfig, bench_class: type[Bench] | None = None) -> int:
     """Run this rank's part. 0 when every row is right (and above the floor); ProbeFailed otherwise on the
     rank that says why; 1 on the ranks that leave the saying to it."""
-    bench = (bench_class or Bench)(cfg)  # issue 27: splits_bench.SplitsBench for --splits-from
+    bench = (bench_class or Bench)(cfg)  # splits_bench.SplitsBench for --splits-from
     bench.start()
     try:
         bench.sweep()

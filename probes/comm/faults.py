@@ -161,7 +161,7 @@ class Watch:
 
     def _silent(self, ranks: list[int]) -> str:
         """Ranks without a heartbeat: "died" when this host sees the process gone; else "not responding"
-        (a SIGSTOPped or frozen process beats no more either, and was called dead, issue 11). A frozen
+        (a SIGSTOPped or frozen process beats no more either, and was called dead). A frozen
         rank on this host is killed, so the launcher does not wait out torch's 30 s grace for it: it cannot
         act on the SIGTERM that stops the others."""
         pids = self._read("pid")

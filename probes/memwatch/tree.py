@@ -113,7 +113,7 @@ class ProcessTree:
         """(new pids, gone pids). Raises psutil.NoSuchProcess only when the root itself is gone.
 
         A child that exits while the walk reads it raises NoSuchProcess too; that was taken for the root
-        exiting and ended the watch at once, 0-1 samples in, while the target ran on (issue 11). Such a
+        exiting and ended the watch at once, 0-1 samples in, while the target ran on. Such a
         walk is skipped: the next one sees the tree as it is.
         """
         start = time.thread_time()

@@ -163,7 +163,7 @@ def _rerun_under_watch(args: Any, session: Any) -> list[str] | None:
         "--uss-every", str(config.uss_every), "--agree-timeout", f"{config.agree_timeout_s:g}",
     ]  # fmt: skip
     options += ["--no-grad-norm"] * (not config.grad_norm) + ["--no-checksum"] * (not config.checksum)
-    options += ["--moe-every", str(config.moe_every)] + ["--no-moe"] * (not config.moe)  # issue 27
+    options += ["--moe-every", str(config.moe_every)] + ["--no-moe"] * (not config.moe)
     return [sys.executable, "-m", "ciuic_doctor", "watch", *options, "--", *argv[1:]]
 
 

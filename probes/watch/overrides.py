@@ -1,4 +1,4 @@
-"""`watch --set KEY=VALUE`: run an unchanged script with one of its settings changed (issue 21).
+"""`watch --set KEY=VALUE`: run an unchanged script with one of its settings changed.
 
 The keys are the job spec's names, as `observed` uses them; each is applied through the constructor or
 call that already carries it, before the original runs, so the script builds what it would have built

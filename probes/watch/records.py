@@ -77,7 +77,7 @@ class StepRecords:
             "optimizer_class": state.name,
             "segment": self.segment,
         }  # fmt: skip
-        for hook in self._step_hooks:  # issue 27: tokens the model saw this step
+        for hook in self._step_hooks:  # tokens the model saw this step
             record.update(self._guarded(hook, step_no, state is self._primary) or {})
         if gathered is not None:
             lazy["checksums"], record["_checksum_ranks"], record["_checksum_me"] = gathered

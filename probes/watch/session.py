@@ -76,8 +76,8 @@ class WatchConfig:
     snapshot_on_leak: bool = False  # CUDA only: dump a memory snapshot when allocated memory keeps growing
     agree_timeout_s: float = 60.0  # how long step 1 waits for every rank to say it is watched
     follow_children: bool = True  # mp.spawn ranks and re-executed argv record their own streams
-    moe: bool = True  # issue 27: expert load of MoE routers and tokens per step (probes/watch/moe.py)
-    moe_every: int = 10  # issue 27: steps between expert-load samples (and at step 1)
+    moe: bool = True  # expert load of MoE routers and tokens per step (probes/watch/moe.py)
+    moe_every: int = 10  # steps between expert-load samples (and at step 1)
 
 
 def current() -> WatchSession | None:
@@ -199,7 +199,7 @@ class WatchSession(StepRecords):
         self._replicas: list[Replicas] = []
         self._agreed: bool | None = None
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
-        self._step_hooks: list[Callable[[int, bool], dict[str, Any] | None]] = []  # issue 27
+        self._step_hooks: list[Callable[[int, bool], dict[str, Any] | None]] = []
         self._undo: list[Callable[[], None]] = []
         self._device: torch.device | None = None
         self._broken = False
@@ -247,7 +247,7 @@ class WatchSession(StepRecords):
 
     def add_step_hook(self, hook: Callable[[int, bool], dict[str, Any] | None]) -> None:
         """Call `hook(step, primary)` as each step ends, before its record is queued; the fields it returns
-        join that record (issue 27: `tokens`). `primary`: the first optimizer to step (one per step)."""
+        join that record (`tokens`). `primary`: the first optimizer to step (one per step)."""
         self._step_hooks.append(hook)
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
@@ -325,11 +325,11 @@ class WatchSession(StepRecords):
             self._undo.append(watch_children.install(self))
         atexit.register(self._at_exit)
         self._undo.append(functools.partial(atexit.unregister, self._at_exit))
-        # issue 14: record what the script configured into meta.json "observed" (probes/watch/observe.py)
+        # record what the script configured into meta.json "observed" (probes/watch/observe.py)
         from ciuic_doctor.probes.watch import observe as watch_observe
 
         self._undo += watch_observe.install(self)
-        if self.config.moe:  # issue 27: MoE router load and tokens per step
+        if self.config.moe:  # MoE router load and tokens per step
             from ciuic_doctor.probes.watch import moe as watch_moe
 
             self._undo += watch_moe.install(self)

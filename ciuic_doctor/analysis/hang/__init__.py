@@ -317,7 +317,7 @@ def _verdict(
 def has_hang_files(path: Path) -> bool:
     """Whether the run directory holds any hang file (hang.rank*, hang.pyspy.json, hang.fr/): one
     directory listing, so a run without them costs the hang analysis nothing (it read every step
-    record, 218 s of a 1,024-rank report, issue 25)."""
+    record, 218 s of a 1,024-rank report)."""
     try:
         with os.scandir(path) as entries:
             return any(entry.name.startswith("hang.") for entry in entries)

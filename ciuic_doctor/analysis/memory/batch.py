@@ -1,4 +1,4 @@
-"""Every rank's memory series and its trend in one grouped pass (issue 25): what `memory.data._trend`
+"""Every rank's memory series and its trend in one grouped pass: what `memory.data._trend`
 does for one `Series`, done for all ranks of a job over a flat (rank, x, y) table.
 
 The per-rank checks built a Series per rank and fitted it alone: at 1,024 ranks that was 4,114
@@ -86,7 +86,7 @@ class RankFits:
 def trends_of(points: RankSeries, step_unit: np.ndarray, start: np.ndarray | None = None) -> Trends:
     """`memory.data._trend` of every series: warm-up cut (WARMUP_STEPS, in step units only, and the first
     WARMUP_FRACTION of the span), at least MIN_POINTS distinct x after it (and MIN_POINTS − 1 steps of
-    span against steps), then the robust trend. `start`: issue 23's first usable x per series."""
+    span against steps), then the robust trend. `start`: first usable x per series."""
     import numpy as np
 
     if start is not None:  # a first step means nothing to a series against seconds

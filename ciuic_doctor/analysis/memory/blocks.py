@@ -1,4 +1,4 @@
-"""The memory checks' grouped passes a block of ranks at a time (issue 25): the same figures, temporaries
+"""The memory checks' grouped passes a block of ranks at a time: the same figures, temporaries
 the size of a block instead of the job.
 
 `memory.batch` fits every rank's series in one vectorised pass over a flat (rank, x, y) table. At

@@ -1,4 +1,4 @@
-"""The CUDA checks' per-rank figures, every rank in one grouped pass (issue 25): NVML − reserved against
+"""The CUDA checks' per-rank figures, every rank in one grouped pass: NVML − reserved against
 steps (`non_pytorch_fits`) and the steady medians and allocator retries fragmentation judges
 (`fragmentation_figures`). Split from `memory.batch` (the series and trends the leak check shares);
 the rules they feed are `memory.cuda`'s.

@@ -138,7 +138,7 @@ def _warm(series: Series) -> Series:
 def _trend(series: Series) -> Trend | None:
     warm = _warm(series)
     # Steady points, not samples: memwatch's 10 Hz samples of a 4-step checkup were hundreds of points on
-    # a 4-step span of start-up growth, and called a leak (issue 11). Against steps the span itself must
+    # a 4-step span of start-up growth, and called a leak. Against steps the span itself must
     # cover MIN_POINTS steps after the warm-up; too few is not_run.
     if len(set(warm.x)) < MIN_POINTS:
         return None

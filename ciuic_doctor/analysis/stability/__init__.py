@@ -51,7 +51,7 @@ def analyze(run: RunDir) -> list[Finding]:
     from ciuic_doctor.importers import ours, ours_columnar
 
     try:
-        many = len(run.stream_files("steps")) >= ours_columnar.MIN_FILES  # issue 15: 1,024 rank files
+        many = len(run.stream_files("steps")) >= ours_columnar.MIN_FILES  # 1,024 rank files
         log = ours_columnar.load(run.path) if many else ours.load(run.path)
     except UserError as exc:
         return [Finding(probe=PROBE, check="loss_spike", verdict="not_run", summary=str(exc))]

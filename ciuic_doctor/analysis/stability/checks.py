@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
 MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
 # The first steps from initialisation carry the largest grad norms of a run: nanoGPT, minGPT's chargpt and
-# build-nanogpt got max_norm 1.6 / 2.2 / 3.3 read from their first 20-41 steps (issue 21). max_norm is read
+# build-nanogpt got max_norm 1.6 / 2.2 / 3.3 read from their first 20-41 steps. max_norm is read
 # from the steady phase only: after the LR warm-up and after the first STEADY_AFTER_STEPS steps.
 STEADY_AFTER_STEPS = 20
 DIVERGENCE_MIN_POINTS = 16  # 8 blocks of 2 points: fewer cannot tell a rise from noise
@@ -214,7 +214,7 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
         "healthy_median": median,
         "healthy_p99": p99,
         "healthy_points": len(values),
-        "steady_steps": list(steady),  # issue 21: the steps max_norm is read from
+        "steady_steps": list(steady),  # the steps max_norm is read from
         "based_on": based,
         "grad_norm_spikes": len(grad_spikes),
     }

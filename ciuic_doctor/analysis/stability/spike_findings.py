@@ -43,7 +43,7 @@ LEAD_STEPS = 100  # a grad-norm spike up to this many steps before a loss spike 
 # One or two logged points up to 3× their neighbours that are back right after, with a grad norm that did
 # not move, are a hard batch (Baize's batch-size-2 fine-tune: 8 of them at ~2.2×), not instability: where
 # the log has a row per step, or where each row is one step's loss sampled every N steps (Lightning
-# `_step`, nanoGPT, torchtitan; issue 24: 1.5–2.3× blips every 50 steps). Not where a row is an interval's
+# `_step`, nanoGPT, torchtitan; 1.5–2.3× blips every 50 steps). Not where a row is an interval's
 # mean: a mean that doubles hides a far bigger step, and the row's one grad norm cannot vouch for the rest.
 OUTLIER_MAX_MAGNITUDE = 3.0
 OUTLIER_MAX_POINTS = 2

@@ -2,7 +2,7 @@
 vectorised pass over a flat (series, x, y) table.
 
 Why: a 1,024-rank run judged rank by rank called robust_trend 4,114 times and np.median 540,000 times
-(73 s of a 136 s report, issue 25). Here the series are binned together (the same `MAX_POINTS` bins of
+(73 s of a 136 s report). Here the series are binned together (the same `MAX_POINTS` bins of
 equal point counts, median x and y per bin, as `stats.trend._binned`), series of equal binned length are
 stacked into a matrix, and the Theil–Sen slope, intercept, R² over the inliers and Mann–Kendall z are
 computed per row, a block of rows at a time (`PAIRS_PER_BLOCK` pairwise slopes: ~8 MB of float64).
@@ -10,7 +10,7 @@ Row by row the figures equal robust_trend's (the same medians of the same number
 last bit from summation order).
 
 Series are given as one table sorted by series id (`RankSeries`); `warm` drops each series' warm-up the
-way `memory._warm` does, with an optional first x per series (`start`: issue 23's "from the first
+way `memory._warm` does, with an optional first x per series (`start`: "from the first
 optimizer step" hook), and `fit` returns a `Trends` of arrays, one entry per series id.
 """
 
@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ciuic_doctor.analysis.stats.grouped import finite_row_medians
 from ciuic_doctor.analysis.stats.trend import MAX_POINTS, OUTLIER_MADS, Trend
 
 if TYPE_CHECKING:
@@ -226,18 +227,6 @@ def fit(series: RankSeries) -> Trends:
     return out
 
 
-def _median_rows(a: np.ndarray) -> np.ndarray:
-    """np.median(a, axis=1) for a finite matrix, without its NaN check (a third of its time here)."""
-    import numpy as np
-
-    n = a.shape[1]
-    half = n // 2
-    if n % 2:
-        return np.partition(a, half, axis=1)[:, half]
-    part = np.partition(a, (half - 1, half), axis=1)
-    return (part[:, half - 1] + part[:, half]) / 2
-
-
 def _fit_rows(out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray, pairs: tuple) -> None:
     """The robust trend of each row of (xs, ys), written into `out` at `members`."""
     import numpy as np
@@ -249,14 +238,14 @@ def _fit_rows(out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray, 
     with np.errstate(divide="ignore", invalid="ignore"):
         slopes = dy / dx
     if distinct.all():
-        slope = _median_rows(slopes)
+        slope = finite_row_medians(slopes)
     else:
         slope = np.nanmedian(np.where(distinct, slopes, np.nan), axis=1)
     del slopes
-    intercept = _median_rows(ys - slope[:, None] * xs)
+    intercept = finite_row_medians(ys - slope[:, None] * xs)
     residual = ys - (slope[:, None] * xs + intercept[:, None])
-    centre = _median_rows(residual)[:, None]
-    mad = _median_rows(np.abs(residual - centre))[:, None]
+    centre = finite_row_medians(residual)[:, None]
+    mad = finite_row_medians(np.abs(residual - centre))[:, None]
     inlier = np.abs(residual - centre) <= OUTLIER_MADS * 1.4826 * mad
     ss_res = np.sum(np.where(inlier, residual**2, 0.0), axis=1)
     kept = inlier.sum(axis=1)

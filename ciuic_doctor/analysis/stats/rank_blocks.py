@@ -26,12 +26,11 @@ def rank_of(table: pyarrow.Table) -> np.ndarray:
     rank 0."""
     import numpy as np
 
-    from ciuic_doctor.rundir.frames import float_values
+    from ciuic_doctor.rundir.frames import whole_values
 
     if "rank" not in table.column_names:
         return np.zeros(table.num_rows, np.int64)
-    raw = float_values(table.column("rank"))
-    return np.where(np.isnan(raw), 0, raw).astype(np.int64)
+    return whole_values(table.column("rank"))[0]
 
 
 def _keys(table: pyarrow.Table) -> Iterator[tuple[int, np.ndarray]]:
@@ -68,11 +67,25 @@ def rank_blocks(table: pyarrow.Table) -> Iterator[pyarrow.Table]:
     if starts is None:
         yield from _filtered(table)
         return
-    bounds = np.array([*starts, table.num_rows])
-    lo = 0
-    while lo < table.num_rows:
-        hi = int(bounds[min(np.searchsorted(bounds, lo + BLOCK_ROWS), len(bounds) - 1)])
+    for lo, hi in block_bounds(np.asarray(starts, np.int64), table.num_rows, BLOCK_ROWS):
         yield table.slice(lo, hi - lo)
+
+
+def block_bounds(starts: np.ndarray, rows: int, block_rows: int) -> Iterator[tuple[int, int]]:
+    """[lo, hi) row ranges of about `block_rows` rows that cut only where a rank's run of rows starts
+    (`starts`, sorted): each rank whole in one block, a rank longer than a block a block of its own.
+
+    >>> import numpy as np
+    >>> list(block_bounds(np.array([0, 3, 5, 9]), 12, 4))
+    [(0, 5), (5, 9), (9, 12)]
+    """
+    import numpy as np
+
+    bounds = np.append(starts[starts > 0], rows)
+    lo = 0
+    while lo < rows:
+        hi = int(bounds[min(np.searchsorted(bounds, lo + block_rows), len(bounds) - 1)])
+        yield lo, hi
         lo = hi
 
 

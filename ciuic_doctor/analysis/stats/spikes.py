@@ -207,7 +207,7 @@ def _baseline_at(y: np.ndarray, sigma: np.ndarray, at: np.ndarray, rule: SpikeRu
     with np.errstate(invalid="ignore"):
         riding = (after - before > SLOW_SPIKE_Z * sigma[at]) | (at + b >= n) | np.isnan(centred)
     # Fewer than MIN_BEFORE points before (the second logged point): one point alone is no baseline, so
-    # the point must stand above the points after it as well (Megatron's 12.0 -> 22.5 -> 12.6; issue 24).
+    # the point must stand above the points after it as well (Megatron's 12.0 -> 22.5 -> 12.6).
     thin = at < MIN_BEFORE
     return np.where(thin, np.fmax(before, after), np.where(riding, before, centred))
 

@@ -102,7 +102,7 @@ def robust_trend(x: Sequence[float], y: Sequence[float]) -> Trend | None:
 @dataclass(kw_only=True)
 class LevelShift:
     """A series better told as two flat levels than as a line: a one-time jump (an epoch boundary's
-    buffers, a lazily built cache), not a leak. mnist's jump between epochs was called a leak (issue 11).
+    buffers, a lazily built cache), not a leak. mnist's jump between epochs was called a leak.
     """
 
     at_x: float  # first x of the upper level

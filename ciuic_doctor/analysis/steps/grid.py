@@ -68,28 +68,16 @@ def _blocks(table: pyarrow.Table) -> Iterator[tuple[int, pyarrow.Table]]:
         yield start, table.slice(start, BLOCK_ROWS)
 
 
-def _whole(column: pyarrow.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """(the column as int64, where it holds a number): an integer column's nulls, a float column's NaN
-    and infinities are not numbers; a fraction is cut to its whole part (pandas' astype did the same)."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from ciuic_doctor.rundir.frames import float_values
-
-    if pa.types.is_integer(column.type):
-        valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
-        return column.fill_null(0).to_numpy().astype(np.int64, copy=False), valid
-    values = float_values(column)
-    valid = np.isfinite(values)
-    return np.where(valid, values, 0).astype(np.int64), valid
-
-
 def _keys(part: pyarrow.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(rank, step, whether the row has both) of a block of rows."""
-    rank, has_rank = _whole(part.column("rank"))
-    step, has_step = _whole(part.column("step"))
-    return rank, step, has_rank & has_step
+    import numpy as np
+
+    from ciuic_doctor.rundir.frames import whole_values
+
+    rank, has_rank = whole_values(part.column("rank"))
+    step, has_step = whole_values(part.column("step"))
+    known = [valid for valid in (has_rank, has_step) if valid is not None]
+    return rank, step, np.logical_and.reduce(known) if known else np.ones(len(rank), bool)
 
 
 def _distinct(values: np.ndarray) -> np.ndarray:

@@ -45,6 +45,7 @@ from ciuic_doctor.rundir import columnar_schema
 from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
 from ciuic_doctor.rundir.frames.assemble import Assembler, add_big, plain_strings, task_bytes
 from ciuic_doctor.rundir.frames.parts import BigFile, Part, _batches, _read_batch, _read_range
+from ciuic_doctor.rundir.frames.values import float_values, whole_values
 from ciuic_doctor.rundir.store import RunDir, StreamRead
 from ciuic_doctor.rundir.stream_read import _open_regular
 
@@ -57,10 +58,12 @@ __all__ = [
     "COLUMN_TYPES",
     "TableRead",
     "arrow_type",
+    "float_values",
     "read_records",
     "read_stream",
     "read_table",
     "schema_for",
+    "whole_values",
 ]
 
 MAX_THREADS = 8
@@ -444,24 +447,6 @@ def read_records(run: RunDir, stream: str) -> list[dict[str, Any]]:
     if not run.has_stream(stream):
         return []
     return run.read(stream).records
-
-
-def float_values(column: pyarrow.ChunkedArray, null: float = float("nan")) -> Any:
-    """A column as float64 numpy with nulls as `null`: a read-only view of the table's buffer when the
-    column is float64 without nulls (pyarrow's fill_null copies even then: 80 MB a column at 10,000
-    ranks × 1,000 steps), else one copy.
-
-    >>> import pyarrow as pa
-    >>> float_values(pa.chunked_array([[1, None]])).tolist()
-    [1.0, nan]
-    """
-    import pyarrow as pa
-
-    if not pa.types.is_float64(column.type):
-        column = column.cast(pa.float64())
-    if column.null_count:
-        column = column.fill_null(null)
-    return column.to_numpy()
 
 
 def last_per_rank(run: RunDir, stream: str, columns: Sequence[str]) -> dict[int, dict[str, Any]]:

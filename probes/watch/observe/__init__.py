@@ -1,7 +1,7 @@
 """What the watched script really configured, recorded into meta.json under `observed`.
 
 `ciuic-doctor watch` hooks the constructors every training loop goes through, so the report can describe
-the user's job instead of the embedded DeepSeek one (issue 14):
+the user's job instead of the embedded DeepSeek one:
 
 - `DataLoader.__init__` / `__iter__`: workers, prefetch, pinning, persistence, batch size, sampler,
   multiprocessing context; the loader iterated last before the first step is the training loader.

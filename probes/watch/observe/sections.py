@@ -74,7 +74,7 @@ def build(observer: Any) -> dict[str, Any]:
         if observer.parameters is not None
         else {}
     )
-    from ciuic_doctor.probes.watch.overrides import record as overrides  # issue 21: watch --set
+    from ciuic_doctor.probes.watch.overrides import record as overrides  # watch --set
 
     if forced := overrides():
         out["overrides"] = forced  # per key: the script's own value and the one in force

@@ -130,7 +130,7 @@ def slurm_cluster():
 # list only costs time, never a result.
 LONGEST_FIRST = (
     "test_verify.py",  # 235 s
-    "test_slurm_nodes.py",  # ~600 s at load 15 (checkup, verify and comm-bench on the two-node Slurm)
+    "test_slurm_nodes.py",  # 422 s at load 5-15 (checkup, verify and comm-bench on the two-node Slurm)
     "test_job.py",  # 179 s
     "test_hang.py",  # 134 s
     "test_stability_job.py",  # 125 s

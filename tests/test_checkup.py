@@ -5,11 +5,14 @@ in CI."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from ciuic_doctor.report import OUTPUTS
+from tests.test_report import CHROMIUM
+from tests.test_report_first_screen import assert_first_screen
 
 SECRET = "hf_Checkup7SecretTokenValue42"
 
@@ -38,6 +41,14 @@ def test_checkup_end_to_end_writes_every_output(tmp_path, cli):
     phases = {p["name"]: p for p in meta["checkup"]["phases"]}
     for name in ("comm-bench", "loader-sweep", "job", "memwatch"):
         assert phases[name]["status"] == "ok", phases[name]
+    # The last line: the changes no run has tried yet, the command that tries them and how long it takes.
+    assert re.fullmatch(
+        rf"\d+ changes? not yet tried on this job: `ciuic-doctor verify {re.escape(str(run))}` "
+        r"tries (it|them) \(about \d+ (min|s), estimated\)",
+        result.stdout.strip().splitlines()[-1],
+    ), result.stdout[-500:]
+    if CHROMIUM is not None:  # the headline, the changes and the overview picture on the first screen
+        assert_first_screen(run / "report.html", tmp_path)
     html = (run / "report.html").read_text()
     for section in ("comm", "job", "memory", "loader"):
         assert f'<section id="{section}" class="probe ">' in html, section

@@ -155,6 +155,21 @@ def test_mfu_is_not_run_on_cpu_without_a_peak_and_says_its_convention_with_one(t
     json.dumps(given.to_dict())  # findings.json must take it
 
 
+def test_mfu_not_run_names_what_is_missing_in_a_sentence(tmp_path):
+    from ciuic_doctor.analysis.throughput import mfu_finding
+
+    rates = {0: 5120.0}
+    both = mfu_finding(rates, {}).summary
+    assert both == (
+        "MFU not computed: the model's config and sequence length are not recorded "
+        "(meta.json model.config, model.seq_len)"
+    )
+    no_seq = mfu_finding(rates, {"model": {"config": {"hidden_size": 8}}}).summary
+    assert "the model's sequence length is not recorded" in no_seq
+    assert mfu_finding({}, {}).summary == "MFU not computed: no token counts in the step records"
+    assert " no the " not in both + no_seq
+
+
 def test_goodput_leaves_out_start_up_skipped_steps_and_stalls():
     from ciuic_doctor.analysis.throughput import goodput, goodput_finding
 

@@ -179,6 +179,8 @@ class Checkup:
         print(
             f"checkup finished in {time.perf_counter() - started:.0f} s; open {result.paths['report.html']}"
         )
+        if not getattr(args, "verify", False):  # --verify goes on to try them, and says what it found
+            print(result.closing_line())
         return 1 if args.strict and result.overall == "fail" else 0
 
     def run_phase(self, name: str, argv: list[str], timeout_s: float) -> Phase:

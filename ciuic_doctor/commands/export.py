@@ -1,7 +1,10 @@
 """Serve a running job's per-rank figures and live verdicts on a Prometheus endpoint (one per node).
 
-    ciuic-doctor export --pid PID [--run RUN] --port 9464
+    ciuic-doctor export --pid PID [--run RUN] --port 9464 [--bind 127.0.0.1]
     curl -s localhost:9464/metrics | grep ciuic_rank_up
+
+It listens on 127.0.0.1 unless --bind says otherwise: the endpoint has no authentication and its labels
+and values name the job, hosts, ranks, loss and memory, so serving it beyond the machine is a choice.
 
 Series (labels job, host, rank, local_rank, gpu; never a step or a PID): ciuic_rank_up, _stalled,
 _waiting, _straggler, _memory_climbing, _overflow_storm (verdict gauges), ciuic_rank_cpu_seconds_total,
@@ -33,7 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", metavar="RUN", help="the job's watched run directory (found by itself "
                         "when the ranks run under watch)")  # fmt: skip
     parser.add_argument("--port", type=positive_int, default=9464, help="port to serve /metrics on (9464)")
-    parser.add_argument("--address", default="0.0.0.0", help="address to listen on (0.0.0.0)")
+    parser.add_argument(
+        "--bind",
+        "--address",
+        dest="bind",
+        metavar="ADDR",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only). The endpoint is not "
+        "authenticated and serves the job's name, hosts, ranks, loss and memory: give 0.0.0.0 or the "
+        "node's address only behind a firewall that lets your Prometheus alone in, or keep 127.0.0.1 "
+        "and reach it through an SSH tunnel",
+    )
     parser.add_argument("--job", metavar="NAME", help="the job label (default: TORCHELASTIC_RUN_ID or RUN)")
     parser.add_argument(
         "--max-ranks",
@@ -73,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
     name = args.job or layout.run_id or (layout.run_dir.name if layout.run_dir else None) or f"pid{args.pid}"
     config = ExportConfig(job=name, interval_s=args.interval, max_ranks=args.max_ranks)
     try:
-        sampled = serve(job, config, port=args.port, address=args.address)
+        sampled = serve(job, config, port=args.port, address=args.bind)
     except OSError as exc:
-        raise UserError(f"cannot serve on {args.address}:{args.port}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot serve on {args.bind}:{args.port}: {exc.strerror or exc}") from None
     print(
         f"ciuic-doctor export: job {name!r}, {len(layout.ranks)} rank(s) found, "
-        f"serving http://{args.address}:{args.port}/metrics every {args.interval:g} s",
+        f"serving http://{args.bind}:{args.port}/metrics every {args.interval:g} s",
         flush=True,
     )
     ends = None if args.duration is None else time.monotonic() + args.duration

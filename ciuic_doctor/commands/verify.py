@@ -12,11 +12,17 @@ its rule aims at (ciuic_doctor/verify/judge.py). Writes RUN/verify/ (one run dir
 RUN/verification.json, then the report again, so report.html, recommended.env and recommended.toml
 carry only what helped (or is arithmetic / a documented fact). Exit 0 when verification ran (whatever
 it found), 1 when the job failed unchanged, 2 for a usage error.
+
+It re-runs a job without asking only when your own watch / job signed it (ciuic_doctor/rundir/trust.py);
+a run recorded by someone else, edited or planted, or in a folder others own or may write, runs only
+after the exact command is shown and you pass --yes (or answer y on a terminal).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 from ciuic_doctor.cli_args import positive_float, positive_int
 
@@ -47,6 +53,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ciuic_doctor.verify.nodes import add_slurm_arguments
 
     add_slurm_arguments(parser)
+    parser.add_argument(
+        "--yes",
+        action="store_true",
+        help="run RUN's job even when you did not record it: a run not signed by your key (someone "
+        "else's, edited or planted) or in a folder others own or may write; verify shows the exact "
+        "command first (without --yes it asks on a terminal, elsewhere it stops with exit 2)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=positive_int,
+        metavar="N",
+        help="ranks to re-run the job on instead of the recorded count (which may not exceed the CPUs)",
+    )
     parser.add_argument(
         "--include-unverified",
         action="store_true",
@@ -86,9 +105,29 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.verify.nodes import choice_from_args
 
     options.slurm = choice_from_args(args)
+    if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():
+        options.consent.ask = _ask
+    _term_is_interrupt()
     data = verify_run(run_dir, options, say=lambda text: print(text, flush=True))
     result = build_report(run_dir, include_unverified=args.include_unverified)
     print(f"\nverified in {data['seconds']:.0f} s ({data['rounds']} round(s)):")
     print("\n".join(lines(data) or ["  no change to verify"]))
     print(f"written: {run_dir.path / 'verification.json'}; report {result.paths['report.html']}")
     return 0
+
+
+def _ask(prompt: str) -> bool:
+    try:
+        return input(prompt).strip().lower() in ("y", "yes")
+    except EOFError:
+        return False
+
+
+def _term_is_interrupt() -> None:
+    """SIGTERM ends verify as Ctrl-C does: the run in progress is stopped with its whole process group
+    (runner.run_once) before verify goes. kill -9 reaches the run through PR_SET_PDEATHSIG instead."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)

@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve every rank of this node on a Prometheus endpoint at port N (`ciuic-doctor export`, "
         "started by local rank 0 in a process of its own; it ends with the job)",
     )
+    parser.add_argument(
+        "--bind",
+        metavar="ADDR",
+        default="127.0.0.1",
+        help="with --metrics-port: the address the endpoint listens on (default 127.0.0.1; it is not "
+        "authenticated: see `ciuic-doctor export --help`)",
+    )
     parser.add_argument(  # probes/watch/moe.py
         "--moe-every",
         type=positive_int,
@@ -174,11 +181,11 @@ def run(args: argparse.Namespace) -> int:
         moe_every=args.moe_every,
         probe_fields={
             **process_fields(),  # a reader on this host can tell a run whose process is gone
-            "argv": argv,
-            "cwd": args.start_cwd,
-            **({"set": args.set_items} if args.set_items else {}),
+            **_rerun_fields(args, argv),
         },
     )
+    if session.rank == 0 and not args.child:  # verify re-runs it without asking only when signed
+        _sign(session.run, args, argv)
     if session.rank == 0 and not args.child:  # records the end a fatal signal or SIGKILL leaves unsaid
         from ciuic_doctor.probes.watch import sentinel
 
@@ -190,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.live.exporter import should_start, start_exporter
 
         if should_start():
-            start_exporter(port=args.metrics_port, run_dir=session.run.path)
+            start_exporter(port=args.metrics_port, run_dir=session.run.path, bind=args.bind)
 
     def report(status: str, code: int) -> None:
         children = watch_children.children_started()
@@ -229,6 +236,32 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _rerun_fields(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """What verify re-runs: argv, the folder it started in, its local rank count, the --set items.
+    The rank count is torchrun's LOCAL_WORLD_SIZE (1 outside torchrun)."""
+    try:
+        nproc = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        nproc = 1
+    fields: dict[str, Any] = {
+        "argv": argv,
+        "cwd": getattr(args, "start_cwd", None) or os.getcwd(),
+        "nproc": nproc,
+    }
+    if args.set_items:
+        fields["set"] = list(args.set_items)
+    return fields
+
+
+def _sign(run: Any, args: argparse.Namespace, argv: list[str]) -> None:
+    """Sign the fields verify re-runs with this user's key (ciuic_doctor/rundir/trust.py)."""
+    from ciuic_doctor.rundir import trust
+
+    sig = trust.signature("watch", _rerun_fields(args, argv))
+    if sig is not None:
+        run.update_meta(signatures={"watch": sig})
+
+
 def _report(
     session: Any,
     args: argparse.Namespace,
@@ -250,15 +283,13 @@ def _report(
     fields = {"status": status, "exit_code": code, "steps": steps, "segment": session.segment}
     if children:
         fields.update(children=children, steps_all_processes=sum(per_rank.values()))
-    fields["cwd"] = getattr(args, "start_cwd", None) or os.getcwd()  # verify re-runs the script from here
-    if args.set_items:
-        fields["set"] = list(args.set_items)
+    fields.update(_rerun_fields(args, argv))  # verify re-runs the script from here, as it ran
     if session.checksum_note:
         fields["checksum"] = session.checksum_note
     if os.environ.get(NODE_ENV):  # a Slurm task: which node, job and step rank 0 ran in
         fields["slurm"] = node_identity()
     if session.rank == 0:
-        session.run.record_probe("watch", argv=argv, **fields)
+        session.run.record_probe("watch", **fields)
     line = f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}"
     if children and not session.steps_written:  # mp.spawn: the ranks are the children; say what each holds
         held = ", ".join(f"rank {r}: {n}" for r, n in sorted(per_rank.items())) or "none"

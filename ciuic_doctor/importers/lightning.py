@@ -4,21 +4,38 @@ The header is every metric name ever logged, alphabetical, with `epoch` and `ste
 train row leaves the val columns empty, and metrics logged by different calls at one step land in
 different rows). A metric logged with both on_step and on_epoch appears as `<name>_step` and
 `<name>_epoch`. The loss is the first of: `train_loss_step`, `train_loss`, `loss_step`, `loss`,
-`train/loss`, else any column with "loss" in its name that is not a val/test/epoch one. Learning rate:
-LearningRateMonitor's `lr-<Optimizer>`; grad norm: `grad_2.0_norm_total` (lightning's grad_norm utility) or
-a column named like grad_norm; eval loss: `val_loss` (or a val* column with "loss" in its name).
+`train/loss`, a total (`total_loss`, `train_total_loss`, ...); else, of the train columns with "loss" in
+their name, the total a model logs beside its components: the one named as an aggregate (`mean_loss`,
+`avg_loss`, `sum_loss`: a PINN's metrics.csv logs four component losses and their `mean_loss`), else the
+column that is the sum or the mean of the others on the rows that have them all, else the largest by
+median (a sum of non-negative terms is at least each term; taking the first by the alphabet dated a spike
+by a small component); an epoch mean (`train_loss_epoch`, `loss_epoch`) when no per-step column exists.
+Learning rate: LearningRateMonitor's `lr-<Optimizer>`; grad norm: `grad_2.0_norm_total` (lightning's
+grad_norm utility) or a column named like grad_norm; eval loss: `val_loss` (or a val* column with "loss"
+in its name).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.importers import StepLog, normalize
 
 _LOSS_NAMES = ("train_loss_step", "train_loss", "loss_step", "loss", "train/loss", "train/loss_step")
+_TOTAL_NAMES = tuple(
+    f"{head}{name}{tail}"
+    for name in ("total_loss", "loss_total")
+    for head in ("", "train_", "train/")
+    for tail in ("_step", "")
+)
+_EPOCH_NAMES = ("train_loss_epoch", "loss_epoch", "train/loss_epoch")
+# a column named as the aggregate of the others: `mean_loss`, `loss_total`, `avg_loss`, `train/sum_loss`
+_AGGREGATE = re.compile(r"(^|[_/])(total|mean|avg|average|sum|combined|overall)([_/]|$)")
+SUM_TOLERANCE = 1e-3  # relative: the total equals the sum of its components up to the printed digits
 _NONFINITE = ("nan", "inf", "-inf", "infinity", "-infinity", "+inf")
 _VAL_NAMES = ("val_loss", "val_loss_epoch", "val/loss", "valid_loss", "validation_loss")
 _GRAD_NAMES = ("grad_2.0_norm_total", "grad_norm", "grad_norm_step", "train/grad_norm", "grad_norm_total")
@@ -46,7 +63,7 @@ def load(path: Path) -> StepLog:
     lines = max(0, text.count("\n") - 1)
     if "step" not in columns:
         raise UserError(f"{path}: no `step` column (expected a Lightning CSVLogger metrics.csv)")
-    loss_col = _pick(columns, _LOSS_NAMES, lambda c: "loss" in c.lower() and _is_train(c))
+    loss_col = _loss_column(frame, columns)
     lr_col = _pick(columns, ("lr", "learning_rate"), lambda c: c.startswith(("lr-", "lr_")))
     grad_col = _pick(columns, _GRAD_NAMES, lambda c: "grad" in c.lower() and "norm" in c.lower())
     val_col = _pick(columns, _VAL_NAMES, lambda c: "loss" in c.lower() and c.lower().startswith("val"))
@@ -103,3 +120,29 @@ def _pick(columns: list[str], preferred: tuple[str, ...], fallback) -> str | Non
         if name in columns:
             return name
     return next((c for c in columns if c not in ("step", "epoch") and fallback(c)), None)
+
+
+def _loss_column(frame, columns: list[str]) -> str | None:
+    """The run's total training loss (see the module doc): a known name, else the total among the train
+    loss columns (the sum of the others, else the largest median), else an epoch mean."""
+    import pandas as pd
+
+    named = _pick(columns, _LOSS_NAMES + _TOTAL_NAMES, lambda c: False)
+    if named:
+        return named
+    train = [c for c in columns if c not in ("step", "epoch") and "loss" in c.lower() and _is_train(c)]
+    if len(train) <= 1:
+        return train[0] if train else _pick(columns, _EPOCH_NAMES, lambda c: False)
+    named = [c for c in train if _AGGREGATE.search(c.lower())]
+    if len(named) == 1:
+        return named[0]
+    values = pd.DataFrame({c: pd.to_numeric(frame[c].str.strip(), errors="coerce") for c in train})
+    together = values.dropna()
+    for column in train:
+        others = together.drop(columns=column)
+        scale = together[column].abs().clip(lower=1e-12)
+        for combined in (others.sum(axis=1), others.mean(axis=1)):
+            if len(together) and ((together[column] - combined).abs() <= SUM_TOLERANCE * scale).all():
+                return column
+    medians = values.median()
+    return str(medians.idxmax()) if medians.notna().any() else train[0]

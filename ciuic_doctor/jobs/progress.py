@@ -121,6 +121,7 @@ class JobProgress:
             info.update(nodes=world.world // int(local), procs_per_node=int(local))
         if self.lead and self.run is not None:
             self.run.update_meta(spec=self.spec.to_dict(), spec_source=self.spec.source, job_run=info)
+            self._sign(info)
             if self.options.peak_tflops:  # the peak MFU is judged against
                 self.run.update_meta(
                     mfu={"peak_tflops": self.options.peak_tflops, "source": "job --peak-tflops"}
@@ -135,6 +136,19 @@ class JobProgress:
         )
         if self.options.injections.active:
             self._print(f"injected faults (demonstration): {self.options.injections.describe()}")
+
+    def _sign(self, info: dict[str, Any]) -> None:
+        """Sign what verify re-runs (the spec, world size, faults, backend) with this user's key, so
+        `verify` re-runs this job without asking (ciuic_doctor/rundir/trust.py)."""
+        from ciuic_doctor.rundir import trust
+
+        values = {
+            "spec": self.spec.to_dict(),
+            **{k: info.get(k) for k in ("world_size", "injections", "backend")},
+        }
+        sig = trust.signature("job", values)
+        if sig is not None and self.run is not None:
+            self.run.update_meta(signatures={"job": sig})
 
     def resumed(self, timing: LoadTiming) -> None:
         self._print(f"resumed from {timing.path} at step {timing.step} (load {timing.load_s:.2f} s)")

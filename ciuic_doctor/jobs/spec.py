@@ -144,9 +144,33 @@ def _build(data: dict[str, Any], source: str) -> JobSpec:
     if bad:
         count = f"{len(bad)} problems: " if len(bad) > 1 else ""
         raise UserError(f"{source}: {count}{'; '.join(bad)}")
+    _allowed_env(data)
     sections: dict[str, Any] = {name: cls(**data.get(name, {})) for name, cls in section_classes.items()}
     sections["model"] = dict(data.get("model", {}))
     return JobSpec(**sections, source=source)
+
+
+_SAID: set[str] = set()  # refused [distributed.env] names already said in this process
+
+
+def _allowed_env(data: dict[str, Any]) -> None:
+    """Drop the [distributed.env] names a job's environment never takes (PYTHONPATH, LD_*, PATH, ...:
+    rundir/trust.py's allow-list), whether they come from a spec file, --set or a recorded run; each
+    refused name is said once per process, in one line. Every spec is built here, so the job, verify,
+    checkup and report's recommended.toml all see the same environment."""
+    from ciuic_doctor.rundir.trust import allowed_env
+
+    distributed = data.get("distributed")
+    env = distributed.get("env") if isinstance(distributed, dict) else None
+    if not env:
+        return
+
+    def say(line: str) -> None:
+        if line not in _SAID:
+            _SAID.add(line)
+            print(line, file=sys.stderr)
+
+    distributed["env"] = allowed_env(env, where="[distributed.env]", say=say)
 
 
 def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -23,10 +23,11 @@ def should_start() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def start_exporter(*, port: int, run_dir: Path) -> int:
-    """Start the exporter for this node's job; returns the PID it attaches to."""
+def start_exporter(*, port: int, run_dir: Path, bind: str = "127.0.0.1") -> int:
+    """Start the exporter for this node's job, listening on `bind` (loopback unless the user said
+    otherwise: `watch --bind`); returns the PID it attaches to."""
     target = os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
     command = [sys.executable, "-m", "ciuic_doctor", "export", "--pid", str(target), "--run", str(run_dir),
-               "--port", str(port)]  # fmt: skip
+               "--port", str(port), "--bind", bind]  # fmt: skip
     subprocess.run([sys.executable, "-c", _DETACH, *command], check=False, stdin=subprocess.DEVNULL)
     return target

@@ -177,7 +177,7 @@ class Sampled:
         return families
 
 
-def serve(live: LiveJob, config: ExportConfig, *, port: int, address: str = "0.0.0.0") -> Sampled:
+def serve(live: LiveJob, config: ExportConfig, *, port: int, address: str = "127.0.0.1") -> Sampled:
     """Start the HTTP endpoint and the sampling thread; returns the Sampled (call .loop() to run)."""
     from prometheus_client import start_http_server
     from prometheus_client.registry import CollectorRegistry

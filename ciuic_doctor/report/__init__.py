@@ -20,7 +20,7 @@ from typing import Any
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.jobs.observed import ResolvedSpec, fallback, has_observed, merge_ranks, spec_from_observed
 from ciuic_doctor.jobs.spec import JobSpec, load_spec, with_updates
-from ciuic_doctor.rundir.findings import Finding, overall_verdict
+from ciuic_doctor.rundir.findings import Finding, overall_verdict, sort_findings
 from ciuic_doctor.rundir.store import RunDir
 
 OUTPUTS = ("report.html", "recommended.env", "recommended.toml", "recommendations.json", "summary.md")
@@ -33,6 +33,10 @@ class ReportResult:
     summary: str = ""
     analysed: bool = False  # True when this call ran the analyses
     findings: list[Finding] = field(default_factory=list)
+    first: Any = None  # report.first_screen.FirstScreen: what `checkup` and `report` end with
+
+    def closing_line(self) -> str:
+        return self.first.closing_line() if self.first is not None else ""
 
 
 def needs_analysis(run: RunDir) -> bool:
@@ -169,6 +173,26 @@ def build_report(
     result.summary = files.summary_md(
         spec=shown, plan=plan, findings=findings, tips=tips, not_run=not_run, provenance=prov
     )
+    from ciuic_doctor.report import first_screen, overview
+
+    everything = [*findings, *plan.findings]
+    step_s, steps_run = _median_step(streams["steps"])
+    first = first_screen.build(
+        overall=overall_verdict(everything),
+        findings=sort_findings(everything),
+        plan=plan,
+        sections=parts,
+        meta=meta,
+        run_path=str(run.path),
+        step_s=step_s,
+        steps_run=steps_run,
+    )
+    picture = overview.job_overview(
+        streams["steps"],
+        everything,
+        first_screen.anchors_of(parts),
+        imported=imported.import_summary(meta) is not None,
+    )
     page = html.render(
         spec=shown,
         findings=findings,
@@ -180,6 +204,8 @@ def build_report(
         env_text=env_text,
         toml_changes=changes,
         resolved=resolved,
+        first=first,
+        overview=picture,
     )
     result.paths = {
         "recommendations.json": run.write_json(
@@ -204,9 +230,28 @@ def build_report(
     }
     if baseline is not None:
         result.paths["comparison.json"] = run.path / "comparison.json"
+    result.first = first
     result.findings = [*findings, *plan.findings]
     result.overall = overall_verdict(result.findings)
     return result
+
+
+def _median_step(steps: Any) -> tuple[float | None, int]:
+    """(the job's median step time in s over ranks and steps, how many steps it ran), from the step-time
+    band the job section computed; (None, 0) without step times."""
+    import math
+
+    table = getattr(steps, "table", None)
+    if table is None or not table.has_steps():
+        return None, 0
+    from ciuic_doctor.report.rank_view import table_band
+
+    band = table_band(table, "step_time_s", unit="ms", scale=1e3)
+    values = sorted(v for v in band["p50_ms"].tolist() if math.isfinite(v))
+    if not values:
+        return None, 0
+    steps_run = int(band["step"].max() - band["step"].min()) + 1
+    return values[len(values) // 2] / 1e3, steps_run
 
 
 def _unobserved_optim(resolved: ResolvedSpec, plan: Any) -> list[str]:

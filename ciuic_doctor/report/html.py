@@ -159,6 +159,8 @@ def render(
     env_text: str,
     toml_changes: str,
     resolved: ResolvedSpec | None = None,
+    first: Any = None,
+    overview: str | None = None,
 ) -> str:
     """The whole page as one string (the caller writes it through the store, which scrubs secrets)."""
     import markupsafe
@@ -196,6 +198,7 @@ def render(
         "recommendations": recs,
         "seed_tips": [t.to_dict() for t in tips],
         "provenance": prov,
+        "first_screen": first.to_dict() if first is not None else None,
     }
     template = _template_env().get_template("report.html.j2")
     return template.render(
@@ -220,4 +223,10 @@ def render(
         js=markupsafe.Markup(_static("report.js")),
         data_json=markupsafe.Markup(json_for_script(data)),
         markup=markupsafe.Markup,
+        first=first,
+        overview=markupsafe.Markup(overview) if overview else None,
+        # the verdict table's rows a reader needs first; pass and not-run collapse to counts
+        flagged=[f for f in everything if f.verdict in ("fail", "warn")],
+        passed=[f for f in everything if f.verdict == "pass"],
+        unmeasured=[f for f in everything if f.verdict == "not_run"],
     )

@@ -18,6 +18,7 @@ in the CSV. Up to PER_RANK_LINES ranks, plots keep one line per rank (that is as
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,29 @@ def bands(steps: np.ndarray, grid: np.ndarray, *, unit: str, scale: float = 1.0)
         **{f"min_{unit}": (f"min_{unit}", "min"), f"max_{unit}": (f"max_{unit}", "max")},
         **{f"p50_{unit}": (f"p50_{unit}", "median"), f"p99_{unit}": (f"p99_{unit}", "median")},
     ).reset_index(drop=True)
+
+
+_BANDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # StepTable -> {(column, unit, scale): frame}
+
+
+def table_band(
+    table: StepTable,
+    column: str,
+    *,
+    unit: str,
+    scale: float = 1.0,
+    grid: tuple[np.ndarray, np.ndarray] | None = None,
+) -> pd.DataFrame:
+    """`bands` of one column of every rank, computed once per table: the job section, the memory plot and
+    the overview picture draw the same band (a 1,024 × 2,000 grid is 16 MiB and ~0.3 s to reduce).
+    `grid`: (steps, values) of that column when the caller already holds it."""
+    cache = _BANDS.setdefault(table, {})
+    key = (column, unit, scale)
+    if key not in cache:
+        steps, grid_values = grid if grid is not None else table.grid(column)[1:]
+        cache[key] = bands(steps, grid_values, unit=unit, scale=scale)
+        return cache[key]
+    return cache[key]
 
 
 def column_quantiles(grid: np.ndarray, qs: Sequence[float]) -> np.ndarray:

@@ -26,6 +26,7 @@ from ciuic_doctor.report.rank_view import (
     distribution_cells,
     named_ranks,
     outlier_lines,
+    table_band,
 )
 from ciuic_doctor.report.step_table import StepTable
 from ciuic_doctor.rundir.findings import Finding
@@ -35,7 +36,7 @@ from ciuic_doctor.units import format_bytes
 STEP_CHECKS = ("step_time", "straggler_onset", "slow_host")
 
 
-def _step_table(steps: Sequence[dict[str, Any]]) -> StepTable:
+def step_table_of(steps: Sequence[dict[str, Any]]) -> StepTable:
     """Every rank's report columns: the table `load_streams` read, or one made from plain records."""
     table = getattr(steps, "table", None)
     return table if table is not None else StepTable.from_records(steps, COLUMNS + MEMORY_COLUMNS)
@@ -49,7 +50,7 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     from ciuic_doctor.analysis.steps.crossrank import normalised, quiet_nan
     from ciuic_doctor.report.band_plots import band_plot, host_heatmap
 
-    columns = _step_table(steps)
+    columns = step_table_of(steps)
     if not columns.has_steps():
         return
     named = named_ranks(findings, STEP_CHECKS, per_host=True)
@@ -70,12 +71,15 @@ def job_content(section: Section, steps: Sequence[dict[str, Any]], findings: Seq
     limit = max(PER_RANK_LINES, MAX_OUTLIERS)  # a small run: every rank
     labels = {r: f"rank {r} ({hosts[r]})" for r in chosen if isinstance(hosts.get(r), str)}
     lines = outlier_lines(ranks, step_ids, grid, chosen, scale=1e3, labels=labels, limit=limit)
-    band = bands(step_ids, grid, unit="ms", scale=1e3)
+    if has_pace:
+        band = bands(step_ids, grid, unit="ms", scale=1e3)
+    else:  # the grid is the step time's: the band the overview picture draws too
+        band = table_band(columns, "step_time_s", unit="ms", scale=1e3, grid=(step_ids, grid))
     del grid
     step_panel = {"frame": band, "unit": "ms", "ylabel": "step time (ms)", "lines": lines}
     panels = [step_panel]
     if has_pace:  # under DDP every rank's step ends together: the outliers show in the pace, not here
-        step_band = bands(step_ids, columns.grid("step_time_s")[2], unit="ms", scale=1e3)
+        step_band = table_band(columns, "step_time_s", unit="ms", scale=1e3)
         panels = [
             {**step_panel, "frame": step_band, "lines": []},
             {"frame": band, "unit": "ms", "ylabel": "before backward (ms)", "lines": lines},
@@ -149,23 +153,29 @@ def _finite_or_none(value: Any) -> float | None:
 MEMORY_LABEL = {"mem_allocated": "CUDA allocated", "uss": "USS", "rss": "RSS"}
 
 
+def memory_key(columns: StepTable) -> str | None:
+    """The memory column drawn over steps: CUDA allocated, else USS where most records have it, else RSS."""
+    if not columns.rows:
+        return None
+    coverage = {k: columns.positive(k) for k in MEMORY_LABEL}
+    if coverage["mem_allocated"]:
+        return "mem_allocated"
+    if coverage["uss"] and coverage["uss"] >= 0.8 * coverage["rss"]:
+        return "uss"
+    if coverage["rss"] or coverage["uss"]:
+        return "rss" if coverage["rss"] else "uss"
+    return None
+
+
 def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -> str | None:
     """Memory over steps as a cross-rank band, the leaking ranks drawn on top with their fitted line."""
     import numpy as np
 
     from ciuic_doctor.report.band_plots import band_plot
 
-    columns = _step_table(steps)
-    if not columns.rows:
-        return None
-    coverage = {k: columns.positive(k) for k in MEMORY_LABEL}
-    if coverage["mem_allocated"]:
-        key = "mem_allocated"
-    elif coverage["uss"] and coverage["uss"] >= 0.8 * coverage["rss"]:
-        key = "uss"
-    elif coverage["rss"] or coverage["uss"]:
-        key = "rss" if coverage["rss"] else "uss"
-    else:
+    columns = step_table_of(steps)
+    key = memory_key(columns)
+    if key is None:
         return None
     kind = "device" if key == "mem_allocated" else "host"
     leaks = [f for f in leaks if f.evidence.get("kind", kind) == kind]
@@ -197,7 +207,7 @@ def step_memory_svg(steps: Sequence[dict[str, Any]], leaks: Sequence[Finding]) -
             )
         )
     panel = {
-        "frame": bands(step_ids, grid, unit="mib", scale=1 / 2**20),
+        "frame": table_band(columns, key, unit="mib", scale=1 / 2**20, grid=(step_ids, grid)),
         "unit": "mib",
         "ylabel": f"{MEMORY_LABEL[key]} (MiB)",
         "lines": lines,

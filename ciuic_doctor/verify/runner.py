@@ -32,6 +32,7 @@ from ciuic_doctor.verify.plan import Candidate
 
 VERIFY_DIR = "verify"
 REFUSED_EXIT = 2  # watch --set: the script gives the key no hold (probes/watch/overrides.py)
+REFUSAL = "--set cannot be applied"  # watch's refusal line; under torchrun the exit code is torchrun's 1
 
 
 @dataclass(kw_only=True)
@@ -43,6 +44,8 @@ class JobCommand:
     tail: list[str] = field(default_factory=list)  # after the options (watch: -- script argv)
     launcher: list[str] = field(default_factory=lambda: [sys.executable])
     cwd: str | None = None
+    spec_text: str | None = None  # the embedded job: its spec, written to RUN/verify/base.toml
+    env: dict[str, str] = field(default_factory=dict)  # what the run's own spec exports (shown first)
     # cluster.spread.Spread: each run a step over the nodes of a Slurm allocation (or a batch job), for a
     # job that ran on several nodes (verify/nodes.py); None: a process on this host (run_once)
     spread: Any = None
@@ -83,9 +86,33 @@ def _env() -> dict[str, str]:
 
 def _last_line(text: str) -> str:
     """What a run's output says of its end: watch's --set refusal when there is one, else the last line."""
+    from ciuic_doctor.render_text import terminal
+
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    refusal = [line for line in lines if "--set cannot be applied" in line]
-    return (refusal or lines or [""])[-1][:600]
+    refusal = [line for line in lines if REFUSAL in line]
+    return terminal((refusal or lines or [""])[-1][:600])  # a job's bytes never reach the terminal raw
+
+
+def _die_with_verify() -> Callable[[], None] | None:
+    """Popen's preexec_fn: the run gets SIGTERM when verify dies, even by SIGKILL (PR_SET_PDEATHSIG, as
+    launch.py arms its ranks and checkup its phases); torchrun passes it on to its ranks, and watch's
+    sentinel ends with the process it watches. None where there is no prctl (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # verify died between the fork and the prctl
+            os._exit(128 + signal.SIGTERM)
+
+    return arm
 
 
 def run_once(
@@ -101,6 +128,7 @@ def run_once(
             cwd=command.cwd,
             text=True,
             start_new_session=True,
+            preexec_fn=_die_with_verify(),  # noqa: PLW1509 - one libc call, prepared before the fork
         )
         try:
             code: int | None = proc.wait(timeout=timeout_s)
@@ -187,8 +215,14 @@ def interleave(
             side = "A" if cand is None else cand.id
             out = root / f"r{rnd:02d}-{side}"
             t0 = time.perf_counter()
-            code, line, queue_s = launch(command, out, cand.set_items() if cand else [], timeout_s)
+            # the budget holds from the first run on; time waiting in the scheduler's queue is not the job's
+            left = schedule.budget_s - (t0 - started - queued)
+            limit = min(timeout_s, max(left, 1.0))
+            code, line, queue_s = launch(command, out, cand.set_items() if cand else [], limit)
             queued += queue_s
+            if code is None and limit < timeout_s:
+                _budget_spent(schedule, rnd, side, out, say)
+                return [r for r in results if r.round != rnd], dropped  # a round cut short is no pair
             result = RunResult(
                 side=side, round=rnd, path=str(out), seconds=time.perf_counter() - t0 - queue_s,
                 exit_code=code, last_line=line, queue_s=queue_s,
@@ -200,7 +234,7 @@ def interleave(
                     f"({'timed out' if code is None else f'exit code {code}'}): {line}; records in {out}"
                 )
             if cand is not None and not result.ok:
-                if code == REFUSED_EXIT and command.kind == "watch":
+                if command.kind == "watch" and (code == REFUSED_EXIT or REFUSAL in line):
                     dropped[cand.id] = f"refused: {line}"
                 else:
                     dropped[cand.id] = (
@@ -221,6 +255,18 @@ def interleave(
             )
         round_times.append(time.perf_counter() - t_round - sum(r.queue_s for r in results if r.round == rnd))
     return results, dropped
+
+
+def _budget_spent(schedule: Schedule, rnd: int, side: str, out: Path, say: Callable[[str], None]) -> None:
+    """A run cut by --budget: in the first round nothing can be judged (ProbeFailed); later, the round
+    it was in is left out and the rounds before it are judged."""
+    if rnd == 1:
+        raise ProbeFailed(
+            f"verify: --budget {schedule.budget_s:.0f} s ran out before the first round ended (run {side} "
+            f"still going: stopped); records in {out}; give a larger --budget or fewer --verify-steps"
+        )
+    say(f"verify: budget {schedule.budget_s:.0f} s spent during round {rnd} (run {side} stopped); "
+        f"judged on the {rnd - 1} round(s) before it")  # fmt: skip
 
 
 def _figures(out: Path) -> str:

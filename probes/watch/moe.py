@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ciuic_doctor.probes.watch import module_hooks
 from ciuic_doctor.probes.watch.values import PendingQueue, start_copy
 
 STREAM = "moe"
@@ -108,7 +109,7 @@ class MoeRecorder:
             # Hooked on the embedding, not the model: it is called in this very forward (a hook added to
             # the model now would first fire on the next one) and takes the token ids positionally.
             self._embeddings.add(embedding)
-            self._handles.append(embedding.register_forward_pre_hook(self._on_tokens))
+            self._handles.append(module_hooks.forward_pre_hook(embedding, self._on_tokens))
             self._model_meta = _model_meta(root)
 
     def _add_gate(self, name: str, module: torch.nn.Module, parent: torch.nn.Module | None) -> None:
@@ -121,7 +122,7 @@ class MoeRecorder:
             top_k=_attr_int((module, parent, getattr(parent, "config", None)), TOP_K_ATTRS),
         )
         self.gates.append(gate)
-        handle = module.register_forward_hook(lambda m, a, out: self._on_gate(gate, out))
+        handle = module_hooks.forward_hook(module, lambda m, a, out: self._on_gate(gate, out))
         self._handles.append(handle)
 
     # ---- per forward -------------------------------------------------------------------------

@@ -83,16 +83,30 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
 def _judge(
     curve: Curve, log: StepLog, clip_max_norm: float | None, adversarial: bool = False
 ) -> list[Finding]:
+    from dataclasses import replace
+
+    import numpy as np
+
     from ciuic_doctor.analysis.stability import checks
     from ciuic_doctor.analysis.stability.scaler_findings import scaler
-    from ciuic_doctor.analysis.stability.series_kind import no_learning
+    from ciuic_doctor.analysis.stability.series_kind import no_learning, signed_findings
+    from ciuic_doctor.analysis.stats.signs import below_zero
 
     curve.loss_kind, curve.vocab_size = log.loss_kind, log.vocab_size
     curve.eval_loss = list(log.eval_loss) if curve.series == 0 else []  # the log's eval is its main run's
     findings: list[Finding] = no_learning(curve)
-    diverged, divergence_findings = checks.divergence(curve, adversarial=adversarial)
-    _, grad_spikes, spike_findings = checks.spikes(curve, diverged, adversarial=adversarial)
-    findings += spike_findings + divergence_findings
+    signs = below_zero(curve.loss)
+    if signs is not None:  # no floor at zero: the loss's level is not judged (stability.series_kind)
+        findings += signed_findings(signs, checks._nonfinite_tail(curve))
+        # the grad norm is still judged, on its own: a pass without the loss (its findings are replaced)
+        _, grad_spikes, spike_findings = checks.spikes(
+            replace(curve, loss=np.full(len(curve.loss), np.nan)), None
+        )
+        findings += [f for f in spike_findings if f.check not in ("loss_spike", "loss_outliers")]
+    else:
+        diverged, divergence_findings = checks.divergence(curve, adversarial=adversarial)
+        _, grad_spikes, spike_findings = checks.spikes(curve, diverged, adversarial=adversarial)
+        findings += spike_findings + divergence_findings
     findings += checks.nonfinite(curve)
     findings += scaler(curve, log)
     clip = clip_max_norm if clip_max_norm is not None else log.clip_max_norm

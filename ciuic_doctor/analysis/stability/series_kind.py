@@ -6,6 +6,9 @@
   a generator loss that rises means the discriminator got better, not that training broke (dcgan's G
   loss ends at 1.9x its best on a healthy run). Such series are not judged for divergence by their level;
   non-finite values and spikes still are.
+- **A loss below zero** (stats.signs: a policy gradient's −log π × return, a WGAN critic) has no floor
+  at zero: "ends 1.5x its best" and "spiked 3x" mean nothing there. The series is named, its divergence and
+  loss spikes not judged; a NaN/inf tail still fails, non-finite values and grad-norm spikes still count.
 - **Zero is a value.** A loss or a gradient norm of exactly 0.0 (or -0.0) is a measurement. A gradient
   norm that is exactly 0 on every step (MIN_POINTS or more) means the optimizer changes nothing: a loss
   multiplied by 0, a detached graph, frozen parameters. That is said as a warning, never hidden as a
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ciuic_doctor.analysis.stats.signs import Signs
 from ciuic_doctor.rundir.findings import Finding
 
 Curve = Any  # analysis.stability.Curve (not imported: stability imports this module)
@@ -86,3 +90,35 @@ def no_learning_summary(norms: np.ndarray, loss: np.ndarray) -> str:
 
 def _distinct(values: np.ndarray) -> list[float]:
     return [float(v) for v in np.unique(values)[:5]]
+
+
+def signed_findings(signs: Signs, tail: int | None) -> list[Finding]:
+    """The divergence and loss_spike findings of a loss below zero: not judged by its level (what the
+    series is, said in each), except a NaN/inf tail, which fails divergence."""
+    said = signs.describe()
+    evidence = {"signed": True, "negative": signs.negative, "points": signs.points}
+    if tail is not None:
+        divergence = Finding(
+            probe=PROBE,
+            check="divergence",
+            verdict="fail",
+            summary=f"loss became NaN/inf at step {tail} and stayed so to the end of the log ({said})",
+            evidence={**evidence, "nonfinite_tail": True, "onset_step": tail},
+            where={"step": int(tail)},
+        )
+    else:
+        divergence = Finding(
+            probe=PROBE,
+            check="divergence",
+            verdict="not_run",
+            summary=f"not judged by its level: {said}",
+            evidence=evidence,
+        )
+    spikes = Finding(
+        probe=PROBE,
+        check="loss_spike",
+        verdict="not_run",
+        summary=f"loss spikes not judged by ratio: {said}",
+        evidence=evidence,
+    )
+    return [spikes, divergence]

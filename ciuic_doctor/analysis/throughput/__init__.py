@@ -24,6 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from ciuic_doctor.analysis.stats.signs import Signs, from_counts
 from ciuic_doctor.mfu.flops import CONVENTION_NOTES, ConfigError, flops_per_token
 from ciuic_doctor.mfu.peak import peak_tflops
 from ciuic_doctor.rundir.findings import Finding
@@ -34,7 +35,7 @@ PROBE = "throughput"
 WARMUP_STEPS = 2
 GOODPUT_MIN_STEPS = 10  # fewer steps after start-up: one stall on a shared machine is 10 % of the run
 GOODPUT_WARN = 0.8  # after start-up, 20 % of the time unproductive is worth a look (stalls, skips, restarts)
-COLUMNS = ("rank", "step", "t", "step_time_s", "tokens", "skipped", "segment", "optimizer")
+COLUMNS = ("rank", "step", "t", "step_time_s", "tokens", "skipped", "segment", "optimizer", "loss")
 
 
 def _precision(meta: dict[str, Any]) -> str:
@@ -62,9 +63,29 @@ def analyze(run: RunDir) -> list[Finding]:
     table = read_stream(run, "steps", COLUMNS).table
     if not table.num_rows:
         return []
+    signs = _loss_signs(table)
     rates, good = per_rank(table, meta.get("created"), tokens_per_s, goodput)
     del table
-    return [throughput_finding(rates), mfu_finding(rates, meta), goodput_finding(good)]
+    return [throughput_finding(rates), mfu_finding(rates, meta), goodput_finding(good, signs)]
+
+
+def _loss_signs(table) -> Signs | None:
+    """Whether the recorded loss goes below zero (stats.signs: a policy gradient's, whose steps are
+    episodes of unequal length), counted by pyarrow without a copy of the column."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if "loss" not in table.column_names:
+        return None
+    loss = table.column("loss")
+    if not (pa.types.is_floating(loss.type) or pa.types.is_integer(loss.type)):
+        return None  # no loss recorded (a null column)
+    finite = pc.is_finite(loss)
+
+    def count(mask) -> int:
+        return int(pc.sum(pc.and_kleene(mask, finite)).as_py() or 0)
+
+    return from_counts(count(pc.less(loss, 0)), count(pc.greater(loss, 0)), count(finite))
 
 
 def tokens_per_s(rows: list[dict[str, Any]]) -> float | None:
@@ -101,12 +122,30 @@ def throughput_finding(rates: dict[int, float]) -> Finding:
     )
 
 
+def _mfu_missing(rates: dict[int, float], config: Any, seq_len: Any) -> str:
+    """Why MFU cannot be computed, as a clause: what is not recorded, named one by one."""
+    if not rates:
+        return "no token counts in the step records"
+    absent = [
+        name
+        for name, ok in (("config", isinstance(config, dict)), ("sequence length", isinstance(seq_len, int)))
+        if not ok
+    ]
+    noun = " and ".join(absent)
+    verb = "are" if len(absent) > 1 else "is"
+    return f"the model's {noun} {verb} not recorded (meta.json model.config, model.seq_len)"
+
+
 def mfu_finding(rates: dict[int, float], meta: dict[str, Any]) -> Finding:
     model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
     config, seq_len = model.get("config"), model.get("seq_len")
     if not rates or not isinstance(config, dict) or not isinstance(seq_len, int):
-        missing = "token counts" if not rates else "the model's config and sequence length (meta.json model)"
-        return Finding(probe=PROBE, check="mfu", verdict="not_run", summary=f"MFU not computed: no {missing}")
+        return Finding(
+            probe=PROBE,
+            check="mfu",
+            verdict="not_run",
+            summary=f"MFU not computed: {_mfu_missing(rates, config, seq_len)}",
+        )
     try:
         flops = flops_per_token(config, seq_len=seq_len, mtp_layers=model.get("mtp_layers_run"))
     except ConfigError as exc:
@@ -199,7 +238,10 @@ def goodput(rows: list[dict[str, Any]], created: Any) -> dict[str, float] | None
     }
 
 
-def goodput_finding(good: dict[int, dict[str, float]]) -> Finding:
+def goodput_finding(good: dict[int, dict[str, float]], signs: Signs | None = None) -> Finding:
+    """The goodput of the worst rank. With a loss below zero (`signs`: a policy gradient's, one step an
+    episode) a step that takes longer did more work, so time over the typical step is not called a stall
+    and low goodput is not warned."""
     if not good:
         return Finding(
             probe=PROBE, check="goodput", verdict="not_run", summary="goodput not computed: too few steps"
@@ -207,10 +249,17 @@ def goodput_finding(good: dict[int, dict[str, float]]) -> Finding:
     ranks = sorted(good, key=lambda r: good[r]["goodput_after_startup"])
     worst = good[ranks[0]]
     low = worst["goodput_after_startup"] < GOODPUT_WARN
-    verdict = "warn" if low and worst["steps"] >= GOODPUT_MIN_STEPS else "pass"
+    verdict = "warn" if low and worst["steps"] >= GOODPUT_MIN_STEPS and signs is None else "pass"
     note = f"; below {GOODPUT_WARN:.0%} after start-up" if verdict == "warn" else ""
     if low and verdict == "pass":
         note = f"; {worst['steps']} steps after start-up are too few to judge (from {GOODPUT_MIN_STEPS})"
+    longer = "(stalls, checkpoints, data waits)"
+    if signs is not None:
+        longer = "(steps of unequal work, not stalls)"
+        note = (
+            f"; not judged: the loss goes below 0 ({signs.negative} of {signs.points} values), "
+            "as a policy gradient's does, whose step is an episode: a longer episode is a longer step"
+        )
     return Finding(
         probe=PROBE,
         check="goodput",
@@ -219,7 +268,7 @@ def goodput_finding(good: dict[int, dict[str, float]]) -> Finding:
         f"({100 * worst['goodput_after_startup']:.0f} % after {worst['startup_s']:.1f} s start-up): "
         f"{worst['productive_s']:.1f} s productive of {worst['wall_s']:.1f} s; "
         f"{worst['over_typical_s']:.1f} s in steps longer than the typical {worst['typical_step_s']:.3f} s "
-        f"(stalls, checkpoints, data waits), {worst['skipped_s']:.1f} s in skipped steps" + note,
+        f"{longer}, {worst['skipped_s']:.1f} s in skipped steps" + note,
         evidence={"ranks": {str(r): v for r, v in good.items()}, "threshold": GOODPUT_WARN},
         where={"ranks": ranks[:8]},
     )

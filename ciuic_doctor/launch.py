@@ -105,6 +105,58 @@ def launch_local(
         reap_descendants(spare=before)
 
 
+def allocation_spread(nproc_per_node: int | None, *, force: bool = False, gpus: int = 0) -> Any:
+    """A cluster.Spread over every node of the Slurm allocation this process runs in (SLURM_JOB_ID set,
+    or `force`: --slurm), or None outside one: then everything runs on this host as before.
+
+    Ranks per node: `nproc_per_node`, else one per GPU (`gpus`), else 1 (a node's CPUs are the
+    scheduler's to count, not this host's).
+    """
+    from ciuic_doctor.cluster import current
+    from ciuic_doctor.cluster.spread import Spread
+
+    scheduler = current(force)
+    if scheduler is None:
+        return None
+    per_node = os.environ.get("SLURM_GPUS_PER_NODE", "")
+    gpus = gpus or (int(per_node) if per_node.isdigit() else 0)
+    alloc = scheduler.allocation()
+    if alloc is None:
+        raise UserError("--slurm: run inside an allocation (salloc -N 2 ..., or a batch script)")
+    # In a task of a step (SLURM_STEP_ID is set under srun, not in a batch script or salloc's shell): with
+    # several tasks each would start its own step over every node; alone (`srun --pty bash`) it holds
+    # the CPUs its own step needs, so that step shares them (--overlap) instead of waiting forever.
+    in_step = "SLURM_STEP_ID" in os.environ
+    tasks = os.environ.get("SLURM_NTASKS", "1")
+    if in_step and tasks.isdigit() and int(tasks) > 1:
+        raise UserError(
+            f"this runs once per allocation and starts one task per node itself, but it is one of {tasks} "
+            "tasks of an srun step: run it from the salloc shell or the batch script, not under srun"
+        )
+    per_node = nproc_per_node or gpus or 1
+    return Spread(
+        scheduler=scheduler, alloc=alloc, nnodes=len(alloc.nodes), nproc_per_node=per_node, overlap=in_step
+    )
+
+
+def launch_nodes(spread: Any, argv: list[str], *, run_dir: Path, env: dict[str, str] | None = None) -> None:
+    """Run `python -m ciuic_doctor <argv>` as `spread`'s ranks (one torchrun per node, one job step) and
+    wait; every rank gets $CIUIC_RUN_DIR=run_dir (a folder every node sees). Its output is ours. Raises
+    ProbeFailed when the step fails; Ctrl-C or SIGTERM cancels the step (cluster/spread.py)."""
+    from ciuic_doctor.cluster import STEP_NAME_ENV
+
+    full = {**os.environ, **(env or {}), RUN_DIR_ENV: str(Path(run_dir).resolve()), "PYTHONUNBUFFERED": "1"}
+    if spread.nproc_per_node > 1:
+        full.setdefault("OMP_NUM_THREADS", "1")
+    name = os.environ.get(STEP_NAME_ENV) or spread.new_name(argv[0])
+    # A caller that named the step (checkup) runs memwatch beside it: both share the nodes' CPUs
+    spread.overlap = spread.overlap or bool(os.environ.get(STEP_NAME_ENV))
+    full[STEP_NAME_ENV] = name  # memwatch finds the step's processes on each node by it
+    result = spread.run(["-m", "ciuic_doctor", *argv], name=name, env=full, log=None, timeout_s=float("inf"))
+    if result.exit_code != 0:
+        raise ProbeFailed(f"the step on {spread.describe()} failed (srun exit code {result.exit_code})")
+
+
 class Interrupted(ProbeFailed):
     """The launcher was stopped by a signal other than Ctrl-C (SIGTERM, SIGHUP): exit 128 + its number."""
 

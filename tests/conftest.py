@@ -106,6 +106,23 @@ def run_path(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real two-node Slurm (tests/slurm_cluster.py: slurmctld, slurmd n1 and n2, partition p), one per
+    session (worker), up in about a second. Skipped, with the daemons' log tail, where Slurm cannot run.
+    """
+    from tests.slurm_cluster import ClusterUnavailable, processes_of, start_cluster, stop_cluster
+
+    try:
+        cluster = start_cluster()
+    except ClusterUnavailable as error:
+        pytest.skip(f"no test Slurm cluster: {error}")
+    yield cluster
+    stop_cluster(cluster)
+    left = processes_of(cluster.root)
+    assert not left, f"the test Slurm cluster left processes running: {left}"
+
+
 # `make test` runs the suite on 2 workers (pytest-xdist, --dist loadfile: a file's tests stay on one
 # worker, so a module's shared job runs once). Files are handed out in collection order, and a long file
 # handed out last leaves the other worker idle for minutes (measured: a 6-minute tail of one worker). The
@@ -113,6 +130,7 @@ def run_path(tmp_path: Path) -> Path:
 # list only costs time, never a result.
 LONGEST_FIRST = (
     "test_verify.py",  # 235 s
+    "test_slurm_nodes.py",  # 422 s at load 5-15 (checkup, verify and comm-bench on the two-node Slurm)
     "test_job.py",  # 179 s
     "test_hang.py",  # 134 s
     "test_stability_job.py",  # 125 s

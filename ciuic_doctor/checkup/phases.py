@@ -91,9 +91,14 @@ class Checkup:
         self._record(Phase(name=name, status=status, reason=reason))
 
     def start(
-        self, name: str, argv: list[str], launcher: list[str] | None = None
+        self,
+        name: str,
+        argv: list[str],
+        launcher: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> tuple[Phase, subprocess.Popen | None]:
-        """Start `python -m ciuic_doctor <argv>`, or `<launcher> -m ciuic_doctor <argv>` (torchrun)."""
+        """Start `python -m ciuic_doctor <argv>`, or `<launcher> -m ciuic_doctor <argv>` (torchrun, or
+        srun then python: a step on every node), with `env` added to ours."""
         phase = Phase(name=name, argv=argv)
         self.say(name, "running...")
         # The raw output may echo a secret: it goes to an anonymous temp file (gone even after a crash or
@@ -104,7 +109,7 @@ class Checkup:
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_child_env(),
+            env={**_child_env(), **(env or {})},
             text=True,
             preexec_fn=_die_with_us(),  # noqa: PLW1509 - one libc call, prepared before the fork
         )

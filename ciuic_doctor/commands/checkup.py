@@ -146,7 +146,11 @@ def _run_embedded(args: argparse.Namespace) -> int:
     spec = _embedded_spec(args)
     baseline = RunDir.open(args.baseline) if args.baseline else None  # a wrong path fails before measuring
     nproc = args.nproc or spec.job.procs_per_node
-    check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
+    from ciuic_doctor.launch import allocation_spread
+
+    spread = allocation_spread(nproc)  # in a Slurm allocation: the job and comm-bench span its nodes
+    if spread is None:
+        check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     run_dir = RunDir.create(default_run_path("checkup", args.out))
     out = str(run_dir.path)
     if args.set_items:  # every phase (and the report) runs the job as --set changed it
@@ -157,7 +161,8 @@ def _run_embedded(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     run_dir.record_environment()
     run_dir.update_meta(spec=spec.to_dict(), spec_source=spec.source, checkup={"phases": []})
-    print(f"checkup of {spec.job.name}: {nproc} local rank(s), run directory {out}", flush=True)
+    where = f"{nproc} local rank(s)" if spread is None else f"{spread.world} ranks on {spread.describe()}"
+    print(f"checkup of {spec.job.name}: {where}, run directory {out}", flush=True)
 
     bucket = int(spec.distributed.bucket_cap_mb * 2**20)
     cuda = run_dir.read_meta()["env"].get("cuda_available")
@@ -188,9 +193,12 @@ def _run_embedded(args: argparse.Namespace) -> int:
         if name != "job":
             checkup.run_phase(name, argv, timeout_s)
             continue
-        job, job_proc = checkup.start("job", argv)
-        watcher, watch_proc = (None, None)
-        if job_proc is not None and "memwatch" not in skip:
+        if spread is not None:  # memwatch once per node, beside the job's step there
+            job, job_proc, watcher, watch_proc = _start_on_nodes(checkup, spread, argv, out, skip)
+        else:
+            job, job_proc = checkup.start("job", argv)
+            watcher, watch_proc = (None, None)
+        if spread is None and job_proc is not None and "memwatch" not in skip:
             watch_argv = ["memwatch", "--pid", str(job_proc.pid), "--interval", MEMWATCH_INTERVAL_S]
             watcher, watch_proc = checkup.start("memwatch", [*watch_argv, "--out", out])
         checkup.finish(job, job_proc, timeout_s)
@@ -200,3 +208,23 @@ def _run_embedded(args: argparse.Namespace) -> int:
             checkup.skip("memwatch", "left out with --skip" if "memwatch" in skip else "no job to attach to")
 
     return checkup.report(args, started, baseline=baseline)
+
+
+def _start_on_nodes(checkup: Checkup, spread, job_argv: list[str], out: str, skip: set[str]):
+    """The job as one step over the allocation's nodes, and memwatch as a second step with one task per
+    node (sharing the CPUs: --overlap) that finds its node's part of the job by the step's name. Each
+    node writes its own memwatch file (memwatch.rank<node index>.jsonl)."""
+    import sys
+
+    from ciuic_doctor.cluster import STEP_NAME_ENV
+
+    name = spread.new_name("job")
+    job, job_proc = checkup.start("job", job_argv, env={STEP_NAME_ENV: name})
+    if job_proc is None or "memwatch" in skip:
+        return job, job_proc, None, None
+    alloc = spread.alloc
+    srun = ["srun", f"--jobid={alloc.job_id}", f"--nodes={spread.nnodes}", f"--ntasks={spread.nnodes}"]
+    srun += ["--ntasks-per-node=1", "--overlap", f"--job-name={spread.new_name('memwatch')}", sys.executable]
+    watch_argv = ["memwatch", "--step", name, "--interval", MEMWATCH_INTERVAL_S, "--out", out]
+    watcher, watch_proc = checkup.start("memwatch", watch_argv, launcher=srun)
+    return job, job_proc, watcher, watch_proc

@@ -204,7 +204,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help="local ranks to start (default: one per GPU, else 2); ignored under torchrun",
+        help="local ranks to start (default: one per GPU, else 2; in a Slurm allocation: ranks per "
+        "node, default one per GPU, else 1); ignored under torchrun",
+    )
+    launch.add_argument(
+        "--slurm",
+        action="store_true",
+        help="span every node of the Slurm allocation (the default where SLURM_JOB_ID is set): one srun "
+        "step starting torchrun on each node, rendezvous on the first",
     )
     add_out(parser)
 
@@ -236,12 +243,36 @@ def _forwarded_argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.launch import in_torchrun
+    from ciuic_doctor.launch import allocation_spread, in_torchrun
 
     _parse(args)
     if in_torchrun():
         return _run_rank(args)
+    spread = allocation_spread(args.nproc, force=getattr(args, "slurm", False))
+    if spread is not None:
+        return _run_nodes(args, spread)
     return _run_local(args)
+
+
+def _run_nodes(args: argparse.Namespace, spread) -> int:  # spread: cluster.spread.Spread
+    """Every node of the allocation: one run directory, one torchrun per node (launch.launch_nodes)."""
+    from ciuic_doctor.errors import ProbeFailed, UserError
+    from ciuic_doctor.launch import launch_nodes
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
+
+    if args.root >= spread.world:
+        raise UserError(f"--root {args.root} is not a rank of a {spread.world}-rank run")
+    run = RunDir.create(default_run_path(NAME, args.out))
+    print(f"comm-bench: {spread.world} ranks on {spread.describe()} -> {run.path}", flush=True)
+    try:
+        launch_nodes(spread, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})
+    except ProbeFailed:
+        entry = run.read_meta().get("probes", {}).get(NAME, {})
+        if entry.get("message"):
+            raise ProbeFailed(f"{entry['message']}; records in {run.path / 'comm.jsonl'}") from None
+        raise
+    print(f"comm-bench: results in {run.path} (records: comm.jsonl; next: ciuic-doctor analyze {run.path})")
+    return 0
 
 
 def _run_rank(args: argparse.Namespace) -> int:

@@ -30,6 +30,11 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.jobs.train import run_job
 
         return run_job(spec, options)
+    from ciuic_doctor.launch import allocation_spread
+
+    spread = allocation_spread(args.nproc or spec.job.procs_per_node, force=getattr(args, "slurm", False))
+    if spread is not None:
+        return _run_nodes(args, spec, options, spread)
     nproc = args.nproc or spec.job.procs_per_node
     check_nproc(nproc, "--nproc" if args.nproc else "the spec's [job] procs_per_node =")
     options.injections.check(world=nproc, precision=spec.precision.mode)
@@ -65,5 +70,32 @@ def run(args: argparse.Namespace) -> int:
         raise
     except BaseException:
         run_dir.record_probe("job", status="failed", nproc=nproc)
+        raise
+    return 0
+
+
+def _run_nodes(args: argparse.Namespace, spec, options, spread) -> int:  # spread: cluster.spread.Spread
+    """Every node of the Slurm allocation: one torchrun per node as one job step, one run directory."""
+    from ciuic_doctor.errors import ProbeFailed
+    from ciuic_doctor.jobs.liveness import PARENT_ENV
+    from ciuic_doctor.jobs.model import model_config
+    from ciuic_doctor.launch import launch_nodes
+    from ciuic_doctor.rundir.store import RunDir, default_run_path
+
+    options.injections.check(world=spread.world, precision=spec.precision.mode)
+    model_config(spec)
+    run_dir = RunDir.create(default_run_path("job", args.out))
+    print(f"launching {spread.world} ranks on {spread.describe()} -> {run_dir.path}", flush=True)
+    env = {**spec.distributed.env, PARENT_ENV: "1"}
+    try:
+        launch_nodes(spread, child_argv(args, run_dir.path.resolve()), run_dir=run_dir.path, env=env)
+    except ProbeFailed:
+        entry = run_dir.read_meta().get("probes", {}).get("job", {})
+        run_dir.record_probe("job", **{**entry, "status": "failed", "nproc": spread.world})
+        if entry.get("message"):
+            raise ProbeFailed(f"{entry['message']}; records in {run_dir.path}") from None
+        raise
+    except BaseException:
+        run_dir.record_probe("job", status="failed", nproc=spread.world)
         raise
     return 0

@@ -20,8 +20,17 @@ ORDER = 40
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--pid", type=positive_int, help="a training process or the torchrun agent")
+    target.add_argument(
+        "--step",
+        metavar="NAME",
+        help="in a Slurm step on each node (srun --overlap --ntasks-per-node=1 ...): watch this node's "
+        "part of the job step started with CIUIC_STEP_NAME=NAME (checkup does this), waiting up to "
+        "--wait s for it; one stream file per node",
+    )
     parser.add_argument(
-        "--pid", type=positive_int, required=True, help="a training process or the torchrun agent"
+        "--wait", type=positive_float, default=300.0, metavar="S", help="--step: how long to wait (300)"
     )
     parser.add_argument(
         "--interval", type=positive_float, default=1.0, metavar="S", help="seconds between samples (1.0)"
@@ -40,11 +49,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from ciuic_doctor.probes.memwatch.sampler import MemwatchConfig, watch
     from ciuic_doctor.rundir.store import default_run_path
 
+    pid, index = args.pid, None
+    if args.step:
+        from ciuic_doctor.cluster.procs import wait_for_step
+
+        pid = wait_for_step(args.step, args.wait)
+        node_id = os.environ.get("SLURM_NODEID", "")
+        index = int(node_id) if node_id.isdigit() else None  # one file per node: never two appending
     config = MemwatchConfig(
-        pid=args.pid,
+        pid=pid,
+        stream_index=index,
         interval_s=args.interval,
         duration_s=args.duration,
         full_info_budget=args.uss_budget / 100,

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --try: try RUN's recommended changes as well",
     )
+    from ciuic_doctor.verify.nodes import add_slurm_arguments
+
+    add_slurm_arguments(parser)
     parser.add_argument(
         "--yes",
         action="store_true",
@@ -99,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
 
     run_dir = RunDir.open(args.run)
     options = options_from_args(args)
+    from ciuic_doctor.verify.nodes import choice_from_args
+
+    options.slurm = choice_from_args(args)
     if not args.yes and sys.stdin.isatty() and sys.stdout.isatty():
         options.consent.ask = _ask
     _term_is_interrupt()

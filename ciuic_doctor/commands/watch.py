@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
+from ciuic_doctor.cluster import NODE_ENV, node_identity
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -285,6 +286,8 @@ def _report(
     fields.update(_rerun_fields(args, argv))  # verify re-runs the script from here, as it ran
     if session.checksum_note:
         fields["checksum"] = session.checksum_note
+    if os.environ.get(NODE_ENV):  # a Slurm task: which node, job and step rank 0 ran in
+        fields["slurm"] = node_identity()
     if session.rank == 0:
         session.run.record_probe("watch", **fields)
     line = f"ciuic-doctor watch: rank {session.rank}: {session.steps_written} steps recorded in {where}"

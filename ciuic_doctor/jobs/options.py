@@ -75,7 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=positive_int, help="optimizer steps (default: the spec's job.steps)")
     parser.add_argument(
-        "--nproc", type=positive_int, help="local ranks to launch when not under torchrun (default: spec)"
+        "--nproc",
+        type=positive_int,
+        help="local ranks to launch when not under torchrun (default: spec); in a Slurm allocation, ranks "
+        "per node",
+    )
+    parser.add_argument(
+        "--slurm",
+        action="store_true",
+        help="train on every node of the Slurm allocation (the default where SLURM_JOB_ID is set): one "
+        "srun step starting torchrun on each node",
     )
     add_out(parser)
     parser.add_argument(

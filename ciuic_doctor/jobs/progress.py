@@ -10,6 +10,7 @@ device sync (a per-step `loss.item()` would), and a printed step is a step alrea
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -114,6 +115,10 @@ class JobProgress:
             "injections": self.options.injections.describe() if self.options.injections.active else None,
             "watch": self.options.watch,
         }
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and int(local) > 0 and world.world % int(local) == 0:
+            # how the ranks sat on nodes: verify re-runs a multi-node job on as many nodes
+            info.update(nodes=world.world // int(local), procs_per_node=int(local))
         if self.lead and self.run is not None:
             self.run.update_meta(spec=self.spec.to_dict(), spec_source=self.spec.source, job_run=info)
             self._sign(info)

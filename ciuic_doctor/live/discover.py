@@ -35,6 +35,7 @@ from ciuic_doctor.live.procs import (
     HELPER,
     LAUNCHER,
     LOCAL_RANK_ARG,
+    NODE_KEY,
     SPAWN_SETTLE_S,
     SPAWNED,
     WORKER_COMM,
@@ -117,7 +118,7 @@ class Discovery:
         self._nvml = nvml
         self._seen: dict[int, _Seen] = {}
         self._spawn_order: dict[int, int] = {}
-        self._run_ids_joined: set[str] = set()
+        self._run_ids_joined: set[tuple[str, str | None]] = set()
         self._notes: set[str] = set()
         if pid is not None:
             self.roots.append(job_root(attach(pid)))
@@ -174,11 +175,11 @@ class Discovery:
             if seen.role == "rank":
                 run_id = seen.env.get("TORCHELASTIC_RUN_ID")
                 if run_id and run_id != "none":
-                    ids.add(run_id)
+                    ids.add((run_id, seen.env.get(NODE_KEY)))  # this node's agents only
         known = {r.pid for r in self.roots}
-        for run_id in ids - self._run_ids_joined:
-            self._run_ids_joined.add(run_id)
-            for pid in pids_of_run_id(run_id):
+        for run_id, node in ids - self._run_ids_joined:
+            self._run_ids_joined.add((run_id, node))
+            for pid in pids_of_run_id(run_id, node):
                 with contextlib.suppress(psutil.Error):
                     root = job_root(psutil.Process(pid))
                     if root.pid not in known:
@@ -291,6 +292,7 @@ class Discovery:
                 group_rank=int_or_none(env.get("GROUP_RANK")),
                 run_id=env.get("TORCHELASTIC_RUN_ID"),
                 cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                host=env.get(NODE_KEY) or socket.gethostname(),  # a Slurm task: its node's name
                 agent_pid=agent,
                 run_dir=run_dir or self.run_dir,
                 cmdline=cmdline_of(seen.proc),

@@ -26,6 +26,10 @@ WORKER_COMM = "pt_data_worker"  # torch's DataLoader worker loop renames its pro
 EXPORT_LOG = "export.log"  # what watch's exporter writes into the run directory (live/exporter.py)
 SPAWN_SETTLE_S = 1.0  # a spawned child younger than this may still become a DataLoader worker by name
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
+# A Slurm task's node: two nodes may share one host (and one torchrun run id across them), so a node's
+# ranks are those whose SLURMD_NODENAME is that node's (ciuic_doctor/cluster)
+NODE_KEY = "SLURMD_NODENAME"
+ENV_KEYS += (NODE_KEY,)
 
 
 def read_environ(pid: int) -> dict[str, str] | None:
@@ -134,13 +138,14 @@ def pids_writing(run_dir: Path) -> list[int]:
     return found
 
 
-def pids_of_run_id(run_id: str) -> list[int]:
-    """Processes on this host whose environment carries TORCHELASTIC_RUN_ID=run_id."""
+def pids_of_run_id(run_id: str, node: str | None = None) -> list[int]:
+    """Processes on this host whose environment carries TORCHELASTIC_RUN_ID=run_id (and, given `node`,
+    SLURMD_NODENAME=node: another node's agents on this host are that node's)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             env = read_environ(int(entry))
-            if env and env.get("TORCHELASTIC_RUN_ID") == run_id:
+            if env and env.get("TORCHELASTIC_RUN_ID") == run_id and env.get(NODE_KEY) == node:
                 found.append(int(entry))
     return found
 

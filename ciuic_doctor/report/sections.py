@@ -112,6 +112,25 @@ def not_run_reason(meta: dict[str, Any], section: Section) -> str:
     return "no step records to analyse in this run directory"
 
 
+def nodes_note(entry: Any) -> str | None:
+    """`2 ranks on 2 nodes: n1 (rank 1); n2 (rank 0)` from comm-bench's meta entry, when its ranks
+    spanned several nodes (only rank 0 writes comm.jsonl, so its records name one node)."""
+    nodes = entry.get("nodes") if isinstance(entry, dict) else None
+    by_node: dict[str, list[int]] = {}
+    for item in nodes if isinstance(nodes, list) else []:
+        if isinstance(item, dict) and isinstance(item.get("node"), str) and isinstance(item.get("rank"), int):
+            by_node.setdefault(item["node"], []).append(item["rank"])
+    if len(by_node) < 2:
+        return None
+    shown = sorted(by_node.items())[:16]
+    parts = [
+        f"{node} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, sorted(r)[:8]))})" for node, r in shown
+    ]
+    more = f"; {len(by_node) - len(shown)} more" if len(by_node) > len(shown) else ""
+    total = sum(len(r) for r in by_node.values())
+    return f"{total} ranks on {len(by_node)} nodes: " + "; ".join(parts) + more
+
+
 def comm_content(section: Section, records: list[dict[str, Any]]) -> None:
     routed = [r for r in records if r.get("splits")]  # comm-bench --splits-from
     records = [r for r in records if not r.get("splits")]
@@ -307,6 +326,8 @@ def build_sections(
             )
         if section.id == "comm":
             comm_content(section, streams["comm"])
+            if note := nodes_note((meta.get("probes") or {}).get("comm-bench")):
+                section.notes.append(note)
         elif section.id == "job" and import_summary(meta) is not None:  # a report about the log
             imported_job_content(section, meta, streams["steps"])
         elif section.id == "job":

@@ -30,13 +30,13 @@ import json
 import math
 import os
 import re
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ciuic_doctor import __version__
+from ciuic_doctor.cluster import node_name
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.rundir import safe_io
 from ciuic_doctor.rundir.stream_read import StreamRead, read_jsonl
@@ -105,7 +105,7 @@ class JsonlWriter:
     def __init__(self, path: Path, *, rank: int | None = None) -> None:
         self.path = path
         self.rank = rank
-        self.host = socket.gethostname()
+        self.host = node_name()  # the scheduler's name for this node (SLURMD_NODENAME), else the host name
         self._fd = -1
         try:
             # never through a symlink, a hard link or a FIFO planted under the stream's name (safe_io)

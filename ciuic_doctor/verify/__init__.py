@@ -51,6 +51,7 @@ class Options:
     only_tries: bool = False  # --try given: the recommendations are left out unless --with-recommendations
     nproc: int | None = None  # --nproc: ranks to re-run on instead of the recorded count
     consent: Consent = field(default_factory=Consent)  # --yes, or a prompt on a terminal
+    slurm: Any = None  # verify.nodes.SlurmChoice: a multi-node job's runs go to its nodes through Slurm
 
 
 def options_from_args(args: Any) -> Options:
@@ -221,6 +222,9 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
         )
     except UserError as exc:
         raise UserError(f"{run.path}: {exc}") from None
+    from ciuic_doctor.verify.nodes import spread_for
+
+    command.spread = spread_for(meta, options.slurm, str(run.path))  # None: on this host
     _check_tries(kind, options.tries, meta)  # a bad --try is a usage error, before anything runs
     asked = _trusted(run, meta, command, options, say)  # before anything is written or started
     started = time.time()

@@ -46,6 +46,9 @@ class JobCommand:
     cwd: str | None = None
     spec_text: str | None = None  # the embedded job: its spec, written to RUN/verify/base.toml
     env: dict[str, str] = field(default_factory=dict)  # what the run's own spec exports (shown first)
+    # cluster.spread.Spread: each run a step over the nodes of a Slurm allocation (or a batch job), for a
+    # job that ran on several nodes (verify/nodes.py); None: a process on this host (run_once)
+    spread: Any = None
 
     def argv(self, out: Path, set_items: list[str]) -> list[str]:
         sets = [x for item in set_items for x in ("--set", item)]
@@ -60,6 +63,7 @@ class RunResult:
     seconds: float
     exit_code: int | None  # None: timed out
     last_line: str = ""
+    queue_s: float = 0.0  # waiting for the scheduler's resources: not the job's time, not in the budget
 
     @property
     def ok(self) -> bool:
@@ -144,6 +148,24 @@ def run_once(
     return code, _last_line(text)
 
 
+def launch(
+    command: JobCommand, out: Path, set_items: list[str], timeout_s: float
+) -> tuple[int | None, str, float]:
+    """One run through the job's launcher: (exit code, last line, seconds queued). On this host
+    (run_once), or one torchrun per node as a Slurm step or batch job (verify/nodes.py)."""
+    if command.spread is None:
+        code, line = run_once(command, out, set_items, timeout_s)
+        return code, line, 0.0
+    from ciuic_doctor.verify.nodes import run_on_nodes
+
+    code, text, queue_s = run_on_nodes(command, out, set_items, timeout_s)
+    if out.is_dir():
+        from ciuic_doctor.rundir.store import RunDir
+
+        RunDir(out).write_text("verify-run.log", text)
+    return code, _last_line(text), queue_s
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -167,13 +189,14 @@ def interleave(
     dropped: dict[str, str] = {}
     results: list[RunResult] = []
     started = time.perf_counter()
+    queued = 0.0  # seconds the runs waited for the scheduler: kept out of the budget, and said so
     round_times: list[float] = []
     timeout_s = schedule.run_timeout_s
     for rnd in range(1, schedule.max_rounds + 1):
         active = [c for c in tried if c.id not in dropped]
         if not active:
             break
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - started - queued
         if round_times and rnd % 2 == 1:  # a new pair of rounds (A first, then A last) must fit whole
             estimate = sum(round_times) / len(round_times) * (len(active) + 1) / (len(tried) + 1)
             pair = min(2, schedule.max_rounds - rnd + 1)
@@ -181,6 +204,7 @@ def interleave(
                 say(
                     f"verify: budget {schedule.budget_s:.0f} s: stopping after {rnd - 1} round(s) "
                     f"({elapsed:.0f} s spent; a round takes about {estimate:.0f} s)"
+                    + (f"; {queued:.0f} s in the queue, not counted" if queued else "")
                 )
                 break
         order: list[Candidate | None] = [None, *active]
@@ -191,15 +215,17 @@ def interleave(
             side = "A" if cand is None else cand.id
             out = root / f"r{rnd:02d}-{side}"
             t0 = time.perf_counter()
-            left = schedule.budget_s - (t0 - started)  # the budget holds from the first run on
+            # the budget holds from the first run on; time waiting in the scheduler's queue is not the job's
+            left = schedule.budget_s - (t0 - started - queued)
             limit = min(timeout_s, max(left, 1.0))
-            code, line = run_once(command, out, cand.set_items() if cand else [], limit)
+            code, line, queue_s = launch(command, out, cand.set_items() if cand else [], limit)
+            queued += queue_s
             if code is None and limit < timeout_s:
                 _budget_spent(schedule, rnd, side, out, say)
                 return [r for r in results if r.round != rnd], dropped  # a round cut short is no pair
             result = RunResult(
-                side=side, round=rnd, path=str(out), seconds=time.perf_counter() - t0, exit_code=code,
-                last_line=line,
+                side=side, round=rnd, path=str(out), seconds=time.perf_counter() - t0 - queue_s,
+                exit_code=code, last_line=line, queue_s=queue_s,
             )  # fmt: skip
             results.append(result)
             if cand is None and not result.ok:
@@ -225,8 +251,9 @@ def interleave(
             say(
                 f"verify [round {rnd}] {what:<40.40s} {status:<7} {result.seconds:6.1f} s"
                 f"{_figures(out) if result.ok else ' — ' + line}"
+                + (f" (+{queue_s:.1f} s queued)" if queue_s >= 0.05 else "")
             )
-        round_times.append(time.perf_counter() - t_round)
+        round_times.append(time.perf_counter() - t_round - sum(r.queue_s for r in results if r.round == rnd))
     return results, dropped
 
 
@@ -263,6 +290,7 @@ def describe(results: list[RunResult]) -> list[dict[str, Any]]:
             "path": r.path,
             "seconds": round(r.seconds, 2),
             "exit_code": r.exit_code,
+            **({"queue_s": round(r.queue_s, 2)} if r.queue_s else {}),
             **({"last_line": r.last_line} if not r.ok else {}),
         }
         for r in results

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ciuic_doctor.cluster import node_identity
 from ciuic_doctor.errors import ProbeFailed
 from ciuic_doctor.launch import agree_on_run_dir, init_distributed
 from ciuic_doctor.machine import nccl
@@ -120,9 +120,11 @@ class Bench:
         # Barriers, iteration counts and figures travel over gloo on the CPU: they stay off the GPU
         # timeline and out of NCCL's TUNING log.
         self.control = None if self.backend == "gloo" else dist.new_group(backend="gloo")
-        hosts: list[Any] = [None] * self.world
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.control)
-        self.hosts = [str(h) for h in hosts]
+        # Each rank's node as its scheduler names it (two nodes may share a host name) and its host name
+        where: list[Any] = [None] * self.world
+        dist.all_gather_object(where, node_identity(), group=self.control)
+        self.nodes = [{"rank": r, **w} for r, w in enumerate(where)]
+        self.hosts = [str(w["node"]) for w in where]
         self.watch = Watch(
             store=default_store(),
             rank=self.rank,
@@ -143,6 +145,7 @@ class Bench:
                 "backend": self.backend,
                 "world_size": self.world,
                 "hosts": self.hosts,
+                "nodes": self.nodes,
                 "nccl_version": nccl.format_version(self.version),
                 "tuning_log": str(self.tuning.path) if self.tuning else None,
                 "started": time.time(),
@@ -158,7 +161,7 @@ class Bench:
         phases, notes = plan_phases(self.backend, cfg.collectives, cfg.algos, self.version)
         version = f", NCCL {nccl.format_version(self.version)}" if self.version else ""
         self.say(
-            f"# comm-bench: {self.world} ranks on {len(set(self.hosts))} host(s), backend {self.backend}"
+            f"# comm-bench: {self.world} ranks on {_count_nodes(self.hosts)}, backend {self.backend}"
             f"{version}, dtype {cfg.dtype}; records -> {self.path / 'comm.jsonl'}"
         )
         for note in notes:
@@ -349,6 +352,15 @@ class Bench:
             run.record_probe(
                 PROBE, **{**entry, "status": status, "message": message, "finished": time.time()}
             )
+
+
+def _count_nodes(hosts: list[str]) -> str:
+    """`2 nodes (n1, n2)`; one node: `1 host`."""
+    names = list(dict.fromkeys(hosts))
+    if len(names) == 1:
+        return "1 host"
+    shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    return f"{len(names)} nodes ({shown})"
 
 
 def run_bench(cfg: BenchConfig, bench_class: type[Bench] | None = None) -> int:

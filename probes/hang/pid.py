@@ -24,6 +24,7 @@ from typing import Any
 
 import psutil
 
+from ciuic_doctor.cluster.procs import node_of
 from ciuic_doctor.errors import UserError
 from ciuic_doctor.probes.hang.kernel import native_enabled, waits_in_native
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
@@ -82,7 +83,8 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
         "schema": 1,
         "t": time.time(),
         "pid": pid,
-        "host": socket.gethostname(),
+        # the job's node as Slurm names it (SLURMD_NODENAME in its environment), else this host's name
+        "host": node_of(pid) or socket.gethostname(),
         "ranks": {},
     }
     first_looks: dict[int, Any] = {}

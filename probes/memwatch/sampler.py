@@ -57,6 +57,10 @@ class MemwatchConfig:
     full_info_budget: float = 0.005  # share of one core USS/PSS reads may take (see module doc)
     walk_budget: float = 0.005  # share of one core the tree walk may take (see module doc)
     progress_every_s: float = 10.0
+    # One memwatch per node (checkup in a Slurm allocation): each writes memwatch.rank<I>.jsonl, I its
+    # node's index (SLURM_NODEID), so two nodes never append to one file; every reader of the stream
+    # finds the files by the per-rank naming. Records keep their own `rank` (the watched process's).
+    stream_index: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -315,7 +319,9 @@ def watch(config: MemwatchConfig, run_path: Path, *, progress: Callable[[str], N
         f"memwatch: watching {result.target} every {config.interval_s:g} s into {run.path} (Ctrl-C ends it)"
     )
     started = time.monotonic()
-    with run.writer(STREAM) as writer, run.writer(EVENTS) as events, _sigterm_stops():
+    index = config.stream_index
+    writer_of = (lambda name: JsonlWriter(run.stream_path(name, index))) if index is not None else run.writer
+    with writer_of(STREAM) as writer, writer_of(EVENTS) as events, _sigterm_stops():
         events.write(
             {
                 "kind": "start",
@@ -341,6 +347,19 @@ def watch(config: MemwatchConfig, run_path: Path, *, progress: Callable[[str], N
                 "reason": result.end_reason,
                 "samples": result.samples,
                 "duration_s": round(result.duration_s, 3),
+            }
+        )
+    if index is not None:  # merged one level deep: each node's entry is kept beside the others
+        from ciuic_doctor.cluster import node_name
+
+        run.update_meta(
+            memwatch_nodes={
+                node_name(): {
+                    "index": index,
+                    "status": result.end_reason,
+                    "samples": result.samples,
+                    "target_pid": root.pid,
+                }
             }
         )
     run.record_probe(

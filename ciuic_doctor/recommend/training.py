@@ -21,6 +21,7 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
     """num_workers / prefetch_factor / pin_memory / persistent_workers from loader-sweep."""
     finding = ctx.measured("loader_throughput")
     if finding is None:
+        _workers_from_wait(ctx, plan)
         return
     recommended = finding.evidence.get("recommended") or {}
     best = finding.evidence.get("best") or {}
@@ -86,6 +87,32 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
             current=None,
             evidence=shm.evidence,
         )
+
+
+def _workers_from_wait(ctx: Context, plan: Plan) -> None:
+    """num_workers from the data wait in a watched job's own steps (analysis.datawait), when no
+    loader-sweep ran: the everyday path (watch + report) sees a loader-bound job too."""
+    finding = ctx.first("data_wait")
+    if finding is None or finding.verdict != "warn":
+        return
+    ev = finding.evidence
+    value, current = ev.get("suggested_num_workers"), ev.get("num_workers")
+    if not isinstance(value, int) or not isinstance(current, int) or value <= current:
+        return
+    add(
+        plan,
+        "dataloader.num_workers",
+        value,
+        f"{finding.summary} (from watch's step timings: {ev.get('basis')}). A pre-screen: `ciuic-doctor "
+        "verify RUN` tries it on the job and keeps it only if the time before backward improves.",
+        confidence="medium",
+        current=current,
+        aims_at="time before backward",
+        pre_screen="watch step timings",
+        data_wait_s=ev.get("data_wait_s"),
+        data_wait_share=ev.get("data_wait_share"),
+        cpu_budget_per_rank=ev.get("cpu_budget_per_rank"),
+    )
 
 
 def rule_learning_rate(ctx: Context, plan: Plan) -> None:

@@ -73,3 +73,16 @@ def test_worker_settings_go_with_the_workers_they_need():
     assert len(alone) == 2
     assert all(c.unverifiable for c in alone)
     assert all("num_workers=0" in c.unverifiable for c in alone)
+
+
+def test_prefetch_factor_at_zero_workers_is_refused_not_in_force(tmp_path):
+    """`watch --set dataloader.prefetch_factor=4` on a script whose loader runs 0 workers: DataLoader
+    would refuse the key, so watch drops it; it is then in force nowhere and watch says so (exit 2)."""
+    from tests.conftest import run_cli
+    from tests.test_data_wait import SCRIPT
+
+    run = tmp_path / "run"
+    done = run_cli("watch", "--set", "dataloader.prefetch_factor=4", "--out", str(run), "--", str(SCRIPT),
+                   "--steps", "3", "--load-ms", "0", timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "acts only with DataLoader workers" in done.stderr

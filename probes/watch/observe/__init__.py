@@ -83,7 +83,7 @@ class Observer:
         self.accumulation: Counter[int] = Counter()  # micro-batches per step (steps.accumulated)
         self._param_owner: dict[int, int] = {}  # id(parameter) -> index of the optimizer that steps it
         self.coupled: set[tuple[int, int]] = set()  # (i, j): optimizer i's loss reaches j's parameters
-        self.clip_max_norms: Counter[float] = Counter()
+        self.clip_max_norms: Counter[float | None] = Counter()
         self.records = 0
         self.param_dtype: str | None = None
         self.broken = False
@@ -323,7 +323,7 @@ class Observer:
         if isinstance(calls, int) and calls > 0:
             self.backward_calls[calls] += 1
         clip = record.get("clip_max_norm")
-        self.clip_max_norms[float(clip) if isinstance(clip, int | float) else 0.0] += 1
+        self.clip_max_norms[float(clip) if isinstance(clip, int | float) else None] += 1
 
     # ---- the record --------------------------------------------------------------------------
     def observed(self) -> dict[str, Any]:

@@ -200,6 +200,28 @@ def rule_learning_rate(ctx: Context, plan: Plan) -> None:
     )
 
 
+ADAM_FAMILY = ("adam", "adamw", "nadam", "radam", "adamax", "adafactor", "lamb", "lion", "sparseadam")
+SGD_FAMILY = ("sgd",)
+
+
+def clipping_effect(optimizer: str) -> str:
+    """What clipping nearly every step does, for the optimizer family: its step is proportional to the
+    gradient for SGD, so a clipped gradient is a smaller step (a smaller LR); an Adam-family step is
+    m / (√v + eps), nearly invariant to a common scale of the gradients, so clipping mostly re-weights
+    the steps inside the moment estimates and leaves the step size to the LR. Other optimizers: only what
+    holds for all (it acts on every step, not on the outliers)."""
+    name = optimizer.lower()
+    if name.startswith("sgd") or name in SGD_FAMILY:
+        return "for SGD the step is proportional to the gradient, so clipping every step acts as a smaller LR"
+    if any(name.startswith(family) for family in ADAM_FAMILY):
+        return (
+            f"for {optimizer} (Adam family) the step is m / √v, nearly unchanged by a common scale of the "
+            "gradients: clipping every step does not set the step size, it re-weights steps inside the "
+            "moment estimates (clipped ones count less)"
+        )
+    return f"for {optimizer}, clipping every step acts on every step rather than on the outliers"
+
+
 def rule_clipping(ctx: Context, plan: Plan) -> None:
     """Clip max_norm from the grad norms of healthy steps (stability's clipping check)."""
     finding = ctx.measured("clipping")
@@ -211,13 +233,20 @@ def rule_clipping(ctx: Context, plan: Plan) -> None:
     current = ctx.spec.optim.clip_max_norm
     if suggested is None:
         return
-    share = f" ({fraction:.0%} of steps clipped at {current:g})" if fraction is not None else ""
+    p99, based = as_float(ev.get("healthy_p99")), ev.get("based_on")
+    measured = f"healthy grad norms reach {p99:.4g} (p99, {based})" if p99 is not None else finding.summary
+    share = f"{fraction:.0%} of steps clipped at {current:g}; " if fraction is not None and current else ""
+    why = (
+        f"{share}{measured}. A threshold above the healthy steps' norms clips the outliers only, which is "
+        "what a clip threshold is for"
+    )
+    if fraction is not None and fraction > 0.5:
+        why += f"; one below them clips nearly every step: {clipping_effect(ctx.spec.optim.name)}"
     add(
         plan,
         "optim.clip_max_norm",
         round(suggested, 3),
-        f"{finding.summary}{share}. A threshold from the healthy steps' grad norms clips the outliers only; "
-        "one below the typical norm rescales every step, which acts as a smaller LR rather than a guard.",
+        why + ".",
         confidence="medium",
         current=current,
         clipped_fraction=fraction,

@@ -1,5 +1,5 @@
 """Communication rules: NCCL_ALGO from Ring vs Tree at the gradient-bucket sizes, the process-group timeout
-against the longest measured wait, Flight Recorder for hang post-mortems, and straggler ranks."""
+against the longest measured wait, Flight Recorder for hang post-mortems (a straggler rank is a finding, not a setting)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Communication rules: NCCL_ALGO from Ring vs Tree at the gradient-bucket sizes, the process-group timeout
-against the longest measured wait, Flight Recorder for hang post-mortems (a straggler rank is a finding, not a setting)."""
+against the longest measured wait, Flight Recorder for hang post-mortems. A straggler rank is a finding to
+look at, not a setting: no rule here."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import numpy as np
 from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import RunDir
 
-STREAMS = ("moe", "comm")
+STREAMS = ("moe", "comm", "steps")  # steps: a watched run whose model has experts watch could not read
 PROBE = "moe"
 IMBALANCE_WARN = 1.5  # busiest expert / mean: the layer's expert-parallel time ≥ 1.5 x balanced
 NOISE_Z = 3.0  # a balanced multinomial's max/mean stays below 1 + 3/sqrt(mean) (z = 3 over <= 256 experts)
@@ -140,15 +140,49 @@ def dead_in(entry: dict[str, Any]) -> tuple[list[int], int | None]:
 
 def analyze(run: RunDir) -> list[Finding]:
     findings = []
-    if run.has_stream("moe"):
-        table = load_table(run.read("moe").records)
-        if table:
-            findings += [imbalance_finding(table), dead_finding(table)]
+    table = load_table(run.read("moe").records) if run.has_stream("moe") else {}
+    if table:
+        findings += [imbalance_finding(table), dead_finding(table)]
+    status = ((run.read_meta().get("model") or {}).get("moe")) if run.has_stream("steps") else None
+    if isinstance(status, dict) and (silent := not_recorded_finding(status, bool(table))) is not None:
+        findings.append(silent)
     if run.has_stream("comm"):
         routed = alltoall_finding(run.read("comm").records)
         if routed is not None:
             findings.append(routed)
     return findings
+
+
+def not_recorded_finding(status: dict[str, Any], recorded: bool) -> Finding | None:
+    """not_run when the model has experts whose routing watch did not record (meta.json model.moe, from
+    probes/watch/moe.py): a router found whose output it could not read, or expert blocks with no router
+    it recognised. Without this a silent run reads as "balanced"."""
+    unread = [u for u in status.get("routers_unread") or [] if isinstance(u, dict)]
+    without = [str(b) for b in status.get("experts_without_router") or []]
+    if not unread and not without:
+        return None
+    parts = []
+    if unread:
+        first = unread[0]
+        parts.append(f"{len(unread)} router(s) found but not read: {first.get('name')}: {first.get('why')}")
+    if without:
+        parts.append(
+            f"{len(without)} expert block(s) with no router watch recognises ({', '.join(without[:3])}"
+            f"{', …' if len(without) > 3 else ''}; a router is a `gate`/`router` module beside `experts`, "
+            "or a class named *Router/*Gate)"
+        )
+    scope = "the routers read are judged above; " if recorded else "no expert load recorded: "
+    return Finding(
+        probe=PROBE,
+        check="expert_routing_recorded",
+        verdict="not_run",
+        summary=scope + "; ".join(parts),
+        evidence={
+            "routers_unread": unread,
+            "experts_without_router": without,
+            "routers_read": list(status.get("routers_read") or []),
+        },
+    )
 
 
 def _series(stats: dict[int, dict[str, Any]], table: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -42,3 +42,41 @@ def test_unrecognised_router_is_said_not_silent(tmp_path):
     assert finding.verdict == "not_run"
     assert "no expert load recorded" in finding.summary
     assert "layers.0" in finding.summary
+
+
+def _a2a(layer: int, mode: str, rounds: list[float]) -> dict:
+    ordered = sorted(rounds)
+    return {"collective": "all_to_all", "splits": mode, "layer": layer, "status": "ok",
+            "time_us_p50": (ordered[1] + ordered[2]) / 2, "round_p50_us": rounds}  # fmt: skip
+
+
+def test_alltoall_headline_has_an_interval_and_says_no_measurable_cost_for_noise():
+    """Layer 0 reads 1.10x on its medians but its rounds go both ways: noise. With a layer whose every
+    round is 1.6x, that layer is the headline, with its interval."""
+    noise = [_a2a(0, "even", [100, 120, 90, 110]), _a2a(0, "routed", [125, 105, 115, 100])]
+    found = moe.alltoall_finding(noise)
+    assert found.verdict == "pass"
+    assert "no measurable cost" in found.summary, found.summary
+    costly = [*noise, _a2a(3, "even", [100, 101, 99, 100]), _a2a(3, "routed", [160, 162, 158, 161])]
+    found = moe.alltoall_finding(costly)
+    assert found.verdict == "warn"
+    assert found.summary.startswith("all_to_all with the recorded routing: layer 3 takes 1.60x"), (
+        found.summary
+    )
+    assert "95 % CI" in found.summary
+
+
+def test_comm_bench_splits_take_the_token_width_from_the_recorded_router(tmp_path):
+    """A model without an HF config: the token width is the router weight's (16), not DeepSeek-V3's
+    7,168, and the output says where it came from; each record carries its per-round medians."""
+    run = _watch(tmp_path, "btk")
+    out = tmp_path / "a2a"
+    done = run_cli("comm-bench", "--nproc", "2", "--splits-from", str(run.path), "--iters", "5",
+                   "--out", str(out), timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "router weight's input width" in done.stdout
+    records = [r for r in RunDir.open(out).read("comm").records if r.get("splits")]
+    assert records
+    assert {r["hidden"] for r in records} == {16}
+    assert all(len(r["round_p50_us"]) == 4 for r in records)
+    assert "95 %" in done.stdout

@@ -65,6 +65,7 @@ class Gate:
     tokens: int = 0
     calls: int = 0
     checked: bool = False
+    hidden: int | None = None  # the width of a token it routes (its weight's [experts, hidden])
     unread: str = ""  # why its output could not be read as expert choices ("" = read, or not yet called)
 
 
@@ -125,6 +126,7 @@ class MoeRecorder:
             layer=int(match.group(1)) if match else len(self.gates),
             experts=_experts(module, parent),
             top_k=_attr_int((module, parent, getattr(parent, "config", None)), TOP_K_ATTRS),
+            hidden=_width(module),
         )
         self.gates.append(gate)
         handle = module_hooks.forward_hook(module, lambda m, a, out: self._on_gate(gate, out))
@@ -220,8 +222,10 @@ class MoeRecorder:
         routed = {g.name.rpartition(".")[0] for g in self.gates}
         blocks = [b.removeprefix("module.").removeprefix("_orig_mod.") for b in self._expert_blocks]
         without = [b for b in dict.fromkeys(blocks) if b not in routed]
+        widths = [g.hidden for g in self.gates if g.hidden]
         if read or unread or without:
             status = {
+                "hidden_size": widths[0] if widths else None,
                 "routers_read": read[:64],
                 "routers_unread": unread[:64],
                 "experts_without_router": without[:64],
@@ -299,6 +303,14 @@ def _indices(output: Any, gate: Gate) -> torch.Tensor | None:
         gate.experts = int(logits.shape[-1])
     with torch.no_grad():
         return logits.reshape(-1, logits.shape[-1]).topk(gate.top_k, dim=-1).indices
+
+
+def _width(module: torch.nn.Module) -> int | None:
+    """A router's input width from its weight [experts, hidden] (comm-bench's bytes per routed token)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    return None
 
 
 def _shapes(output: Any) -> str:

@@ -34,7 +34,7 @@ def test_wide_interval_is_not_called_fine():
     assert wide["status"] == NO_EFFECT
     assert wide["conclusive"] is False
     assert "yours is fine" not in wide["reason"]
-    assert "no change larger than" in wide["reason"]
+    assert "rule out only changes larger than" in wide["reason"]
     assert "more rounds would tell" in wide["reason"]
     narrow = _judged([1.002, 0.998, 1.001, 0.999])
     assert narrow["status"] == NO_EFFECT

@@ -122,8 +122,7 @@ def no_effect_words(low: float | None, high: float | None, margin: float) -> tup
         return "no interval from these runs: they cannot tell; more rounds would tell", False
     widest = max(1 - low, high - 1)
     return (
-        f"not measurable in these runs: no change larger than {100 * widest:.0f} % either way "
-        f"(95 % CI {100 * (low - 1):+.0f} … {100 * (high - 1):+.0f} %); more rounds would tell",
+        f"the runs rule out only changes larger than {100 * widest:.0f} % either way; more rounds would tell",
         False,
     )
 

@@ -16,6 +16,10 @@ embedded job does not take. It alternates the same way, on a 3-layer MLP (512 wi
 
     .venv/bin/python benchmarks/watch_overhead.py                   # one rank
     .venv/bin/python benchmarks/watch_overhead.py --nproc 2         # two gloo ranks: DDP + weight checksum
+    .venv/bin/python benchmarks/watch_overhead.py --script --steps 3000 --pairs 2
+        # `watch -- script.py` as a user runs it, on a fast tiny script (benchmarks/scripts/bigram_train.py,
+        # tens of ms a step, evaluation forwards every 300 steps): unwatched and watched processes
+        # alternate A B B A ..., each timing its own training loop (wall and process CPU, start-up excluded)
 
 DataLoader workers are off (num_workers=0) and each rank has one thread: fewer processes competing for
 the cores gives less noise; watch's cost does not depend on them.
@@ -39,7 +43,61 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=8, help="steps before the first block")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (gloo) to run on")
     parser.add_argument("--checksum-every", type=int, default=10)
+    parser.add_argument(
+        "--script", action="store_true", help="watch -- bigram_train.py vs python bigram_train.py"
+    )
+    parser.add_argument("--steps", type=int, default=3000, help="--script: training steps a run")
+    parser.add_argument("--pairs", type=int, default=2, help="--script: (unwatched, watched) pairs")
     return parser.parse_args()
+
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "bigram_train.py")
+
+
+def _loop_times(argv: list[str]) -> tuple[float, float]:
+    """(loop wall s, loop CPU s) as the script prints them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("loop_s="))
+    fields = dict(item.split("=") for item in line.split())
+    return float(fields["loop_s"]), float(fields["cpu_s"])
+
+
+def script_ratio(args: argparse.Namespace) -> int:
+    """Unwatched and watched runs of the bigram script, alternating A B B A ...: the ratios of the
+    training loop's wall and CPU time. One thread a process (OMP_NUM_THREADS=1) on both sides: on a
+    shared machine OpenMP's spinning threads make a tiny op's time depend on the load, not on watch."""
+    script = [SCRIPT, "--steps", str(args.steps)]
+    times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    for pair in range(args.pairs):
+        for mode in ("off", "on") if pair % 2 == 0 else ("on", "off"):
+            with tempfile.TemporaryDirectory(prefix="watch-overhead-") as tmp:
+                argv = [sys.executable, *script]
+                if mode == "on":
+                    argv = [
+                        sys.executable,
+                        "-m",
+                        "ciuic_doctor",
+                        "watch",
+                        "--out",
+                        f"{tmp}/run",
+                        "--",
+                        *script,
+                    ]
+                times[mode].append(_loop_times(argv))
+            wall, cpu = times[mode][-1]
+            print(
+                f"pair {pair + 1}/{args.pairs} {mode:>3}: loop {wall:.2f} s wall, {cpu:.2f} s CPU", flush=True
+            )
+    wall = sum(w for w, _ in times["on"]) / sum(w for w, _ in times["off"])
+    cpu = sum(c for _, c in times["on"]) / sum(c for _, c in times["off"])
+    per_step = (sum(c for _, c in times["on"]) - sum(c for _, c in times["off"])) / (args.steps * args.pairs)
+    print(
+        f"\nwatch -- bigram_train.py --steps {args.steps}, {args.pairs} pair(s) alternating:\n"
+        f"  ratio watched / unwatched: wall {wall:.4f}, CPU {cpu:.4f} (goal <= 1.01); "
+        f"watch's CPU {per_step * 1e6:.0f} us a step"
+    )
+    return 0
 
 
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
@@ -54,6 +112,8 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
 
 def main() -> int:
     args = parse_args()
+    if args.script:
+        return script_ratio(args)
     from ciuic_doctor.launch import in_torchrun
 
     if args.nproc > 1 and not in_torchrun():

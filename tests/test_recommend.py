@@ -196,9 +196,11 @@ def test_flight_recorder_only_where_nccl_was_measured(gpu_spec, gpu_findings, me
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in by_setting(recommend(spec, gloo, meta))
 
 
-def test_stragglers_and_checkpoint_advice(gpu_spec, gpu_findings, meta):
+def test_stragglers_are_findings_and_checkpoint_advice(gpu_spec, gpu_findings, meta):
+    """A straggler is a finding to look at (rank 5 on gpu-node-02), not a setting to change."""
+    assert any(f.check == "straggler" and f.verdict in ("warn", "fail") for f in gpu_findings)
     recs = by_setting(recommend(gpu_spec, gpu_findings, meta))
-    assert recs["straggler (collectives)"].value == "rank 5 on gpu-node-02 (+14 %)"
+    assert not [s for s in recs if s.startswith("straggler")], list(recs)
     assert "sampler epoch" in recs["checkpoint contents"].value
     assert "torch.distributed.checkpoint" in recs["checkpoint method"].value
     assert setting_kind("checkpoint method") == "advice"

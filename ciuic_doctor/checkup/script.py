@@ -24,8 +24,10 @@ PHASES = ("comm-bench", "job", "memwatch", "loader-sweep", "checkpoint-check")
 
 
 def script_argv(args: argparse.Namespace) -> list[str]:
+    from ciuic_doctor.probes.watch.target import strip_interpreter
+
     argv = list(getattr(args, "script_argv", None) or [])
-    return argv[1:] if argv and argv[0] == "--" else argv
+    return strip_interpreter(argv[1:] if argv and argv[0] == "--" else argv)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:

@@ -143,11 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ciuic_doctor.probes.watch.target import check_target  # no torch: refuse bad targets fast
+    from ciuic_doctor.probes.watch.target import check_target, strip_interpreter  # no torch here
 
     argv = list(args.script_argv)
     if argv and argv[0] == "--":
         argv = argv[1:]
+    argv = strip_interpreter(argv)  # `watch -- python train.py` as `watch -- train.py`
     check_target(argv)
     from ciuic_doctor.probes.watch import overrides as watch_overrides  # no torch here
 

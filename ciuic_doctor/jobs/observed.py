@@ -45,6 +45,9 @@ class ResolvedSpec:
         return self.kind != "observed" or bool(isinstance(keys, dict) and keys)
 
 
+# Keys whose observed null is a value, not a gap: a loader without workers has no prefetch_factor, and a
+# script that never calls clip_grad_norm_ does not clip (the spec writes that as 0).
+OBSERVED_NONE = {"prefetch_factor": None, "clip_max_norm": 0.0}
 RANK_FILE = re.compile(r"^observed\.rank(\d+)\.json$")
 RANK_FILE_MAX_BYTES = 1 << 20
 SETTING_SECTIONS = ("batch", "optim", "precision", "dataloader", "distributed", "model")
@@ -114,7 +117,9 @@ def spec_from_observed(observed: dict[str, Any]) -> ResolvedSpec:
             continue
         seen = observed.get(section) if isinstance(observed.get(section), dict) else {}
         for key in (f.name for f in fields(type(getattr(base, section)))):
-            if key in seen and (seen[key] is not None or key == "prefetch_factor"):
+            if key in seen and seen[key] is None and key in OBSERVED_NONE:
+                updates[f"{section}.{key}"] = OBSERVED_NONE[key]  # seen as absent: the spec's word for it
+            elif key in seen and seen[key] is not None:
                 updates[f"{section}.{key}"] = seen[key]
             else:
                 assumed.append(f"{section}.{key}")

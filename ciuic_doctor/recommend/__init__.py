@@ -8,7 +8,9 @@ it says so in its `evidence` and carries low confidence until a stability probe 
 A recommendation's `setting` says where it goes:
     NCCL_ALGO, PYTORCH_CUDA_ALLOC_CONF, ...   environment variables -> recommended.env and [distributed.env]
     dataloader.num_workers, optim.clip_max_norm, ...   job-spec keys -> recommended.toml
-    anything else ("memory leak", "straggler", ...)    advice for a person; no file changes
+    anything else ("memory leak", "seed per rank", ...)   advice for a person; no file changes
+A finding that names no change (a straggler rank, a slow host) is not a recommendation: the report shows
+it among the findings to look at.
 An environment recommendation whose `value` is None means "leave it unset" (remove it where it is set).
 
 Some rules also judge the job's *current* settings against measurements (a 30 s process-group timeout next
@@ -70,7 +72,6 @@ RULES: tuple[Rule, ...] = (
     comm.rule_nccl_algo_global,
     comm.rule_pg_timeout,
     comm.rule_flight_recorder,
-    comm.rule_stragglers,
     training.rule_dataloader,
     training.rule_learning_rate,
     training.rule_clipping,

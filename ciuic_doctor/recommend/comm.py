@@ -1,5 +1,6 @@
 """Communication rules: NCCL_ALGO from Ring vs Tree at the gradient-bucket sizes, the process-group timeout
-against the longest measured wait, Flight Recorder for hang post-mortems, and straggler ranks."""
+against the longest measured wait, Flight Recorder for hang post-mortems. A straggler rank is a finding to
+look at, not a setting: no rule here."""
 
 from __future__ import annotations
 
@@ -245,36 +246,4 @@ def rule_flight_recorder(ctx: Context, plan: Plan) -> None:
             confidence="medium",
             current=ctx.current_env(name),
             backend=ctx.backend,
-        )
-
-
-def rule_stragglers(ctx: Context, plan: Plan) -> None:
-    """Ranks consistently slower than the others, in collectives (comm-bench) or in step time (watch)."""
-    # steps' straggler_onset (slow from step k) and slow_host (a whole host) are stragglers too
-    kinds = {"straggler": "collectives", "step_time": "step time", "straggler_onset": "from a step on"}
-    kinds["slow_host"] = "whole host"
-    for finding in [f for check in kinds for f in ctx.all(check)]:
-        if finding.verdict not in ("warn", "fail"):
-            continue
-        ev = finding.evidence
-        rank = ev.get("rank", ev.get("slowest_rank", finding.where.get("rank")))
-        host = ev.get("host") or finding.where.get("host")
-        slowdown = as_float(ev.get("slowdown_pct", ev.get("excess_pct")))
-        what = kinds[finding.check]
-        add(
-            plan,
-            f"straggler ({what})",
-            (
-                f"host {host}"
-                if finding.check == "slow_host"
-                else f"rank {rank}" + (f" on {host}" if host else "")
-            )
-            + (f" (+{slowdown:.0f} %)" if slowdown is not None else ""),
-            f"{finding.summary}. Every collective waits for the slowest rank; check that host's clocks, "
-            "thermal throttling, NIC/PCIe link and neighbours before tuning anything else.",
-            confidence="high" if finding.verdict == "fail" else "medium",
-            current=None,
-            rank=rank,
-            host=host,
-            slowdown_pct=slowdown,
         )

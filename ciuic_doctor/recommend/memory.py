@@ -51,10 +51,12 @@ def rule_memory_findings(ctx: Context, plan: Plan) -> None:
             else "no out-of-memory projection (no limit known)"
         )
         r2 = as_float(ev.get("r2"))
+        per_step, per_s = as_float(ev.get("growth_mb_per_step")), as_float(ev.get("growth_mb_per_s"))
+        rate = f"+{per_step:.3g} MB/step" if per_step is not None else f"+{per_s or 0:.3g} MB/s"
         add(
             plan,
             f"memory leak ({ev.get('kind', 'host')}, rank {leak.where.get('rank', '?')})",
-            f"+{as_float(ev.get('growth_mb_per_step')) or 0:.3g} MB/step, {when}",
+            f"{rate}, {when}",
             f"{leak.summary}. Fix the cause (e.g. `total_loss += loss` keeps every graph alive; use "
             "loss.item()); empty_cache does not release memory that is still referenced.",
             confidence="high" if r2 is not None and r2 >= 0.9 else "medium",

@@ -21,6 +21,7 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
     """num_workers / prefetch_factor / pin_memory / persistent_workers from loader-sweep."""
     finding = ctx.measured("loader_throughput")
     if finding is None:
+        _workers_from_wait(ctx, plan)
         return
     recommended = finding.evidence.get("recommended") or {}
     best = finding.evidence.get("best") or {}
@@ -86,6 +87,32 @@ def rule_dataloader(ctx: Context, plan: Plan) -> None:
             current=None,
             evidence=shm.evidence,
         )
+
+
+def _workers_from_wait(ctx: Context, plan: Plan) -> None:
+    """num_workers from the data wait in a watched job's own steps (analysis.datawait), when no
+    loader-sweep ran: the everyday path (watch + report) sees a loader-bound job too."""
+    finding = ctx.first("data_wait")
+    if finding is None or finding.verdict != "warn":
+        return
+    ev = finding.evidence
+    value, current = ev.get("suggested_num_workers"), ev.get("num_workers")
+    if not isinstance(value, int) or not isinstance(current, int) or value <= current:
+        return
+    add(
+        plan,
+        "dataloader.num_workers",
+        value,
+        f"{finding.summary} (from watch's step timings: {ev.get('basis')}). A pre-screen: `ciuic-doctor "
+        "verify RUN` tries it on the job and keeps it only if the time before backward improves.",
+        confidence="medium",
+        current=current,
+        aims_at="time before backward",
+        pre_screen="watch step timings",
+        data_wait_s=ev.get("data_wait_s"),
+        data_wait_share=ev.get("data_wait_share"),
+        cpu_budget_per_rank=ev.get("cpu_budget_per_rank"),
+    )
 
 
 def rule_learning_rate(ctx: Context, plan: Plan) -> None:
@@ -173,6 +200,28 @@ def rule_learning_rate(ctx: Context, plan: Plan) -> None:
     )
 
 
+ADAM_FAMILY = ("adam", "adamw", "nadam", "radam", "adamax", "adafactor", "lamb", "lion", "sparseadam")
+SGD_FAMILY = ("sgd",)
+
+
+def clipping_effect(optimizer: str) -> str:
+    """What clipping nearly every step does, for the optimizer family: its step is proportional to the
+    gradient for SGD, so a clipped gradient is a smaller step (a smaller LR); an Adam-family step is
+    m / (√v + eps), nearly invariant to a common scale of the gradients, so clipping mostly re-weights
+    the steps inside the moment estimates and leaves the step size to the LR. Other optimizers: only what
+    holds for all (it acts on every step, not on the outliers)."""
+    name = optimizer.lower()
+    if name.startswith("sgd") or name in SGD_FAMILY:
+        return "for SGD the step is proportional to the gradient, so clipping every step acts as a smaller LR"
+    if any(name.startswith(family) for family in ADAM_FAMILY):
+        return (
+            f"for {optimizer} (Adam family) the step is m / √v, nearly unchanged by a common scale of the "
+            "gradients: clipping every step does not set the step size, it re-weights steps inside the "
+            "moment estimates (clipped ones count less)"
+        )
+    return f"for {optimizer}, clipping every step acts on every step rather than on the outliers"
+
+
 def rule_clipping(ctx: Context, plan: Plan) -> None:
     """Clip max_norm from the grad norms of healthy steps (stability's clipping check)."""
     finding = ctx.measured("clipping")
@@ -184,13 +233,20 @@ def rule_clipping(ctx: Context, plan: Plan) -> None:
     current = ctx.spec.optim.clip_max_norm
     if suggested is None:
         return
-    share = f" ({fraction:.0%} of steps clipped at {current:g})" if fraction is not None else ""
+    p99, based = as_float(ev.get("healthy_p99")), ev.get("based_on")
+    measured = f"healthy grad norms reach {p99:.4g} (p99, {based})" if p99 is not None else finding.summary
+    share = f"{fraction:.0%} of steps clipped at {current:g}; " if fraction is not None and current else ""
+    why = (
+        f"{share}{measured}. A threshold above the healthy steps' norms clips the outliers only, which is "
+        "what a clip threshold is for"
+    )
+    if fraction is not None and fraction > 0.5:
+        why += f"; one below them clips nearly every step: {clipping_effect(ctx.spec.optim.name)}"
     add(
         plan,
         "optim.clip_max_norm",
         round(suggested, 3),
-        f"{finding.summary}{share}. A threshold from the healthy steps' grad norms clips the outliers only; "
-        "one below the typical norm rescales every step, which acts as a smaller LR rather than a guard.",
+        why + ".",
         confidence="medium",
         current=current,
         clipped_fraction=fraction,

@@ -2,7 +2,10 @@
 its status and interval, and only what helps, or is arithmetic / a documented fact, reaches the files.
 
     helps                 kept; it goes into recommended.env / recommended.toml
-    no measurable effect  "within noise: yours is fine": the recommendation becomes the current value
+    no measurable effect  when the interval lies inside the negligible margin (NEGLIGIBLE): "within
+                          noise: yours is fine", the recommendation becomes the current value; when it
+                          is wider, the runs could exclude only larger changes: the recommendation
+                          stays, not verified, and the words say what was excluded
     hurts                 dropped: the current value stays, the interval shows why
     not verifiable here   kept as advice, marked not verified, with the reason
 
@@ -13,6 +16,7 @@ reads it, so the report never re-runs anything.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from ciuic_doctor.recommend.core import Plan, is_change, setting_kind
@@ -25,6 +29,10 @@ WITHIN_NOISE = (
     "within noise: yours is fine"  # no verification.json, or this change was not among the candidates
 )
 VERIFICATION_FILE = "verification.json"
+# Smaller changes are negligible even when significant: 4 workers raised the main process's RSS by a
+# steady 0.2 % (95 % CI +0.1 … +0.4 %), real and of no consequence; times move a few per cent with load.
+NEGLIGIBLE = {"pre_backward": 0.02, "step_time": 0.02, "rss": 0.05}
+METRIC_SCOPES = {"time before backward": "pre_backward", "step time": "step_time"}
 # num_workers = 0 takes these with it (DataLoader refuses them without workers): they share its status.
 WORKER_KEYS = ["dataloader.prefetch_factor", "dataloader.persistent_workers"]
 # Changes that are arithmetic on the job's own settings or documented behaviour, not a measured guess:
@@ -77,6 +85,11 @@ def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
         status = cand.get("status")
         if spec_key(rec.setting) not in (cand.get("settings") or {}):
             rec.evidence["verification"]["follows"] = cand.get("label")  # a consequence of that change
+        rec.evidence["verification"]["conclusive"] = status != NO_EFFECT or conclusive(cand)
+        if status == NO_EFFECT and not conclusive(cand):
+            # the runs could not tell: the change stays a recommendation, not verified, not "fine"
+            rec.why = f"Tried {rec.setting} = {rec.value} on the job: {cand.get('reason')}. {rec.why}"
+            continue
         if status in (NO_EFFECT, HURTS):
             tried = rec.value
             rec.evidence["verification"]["tried"] = tried
@@ -87,6 +100,40 @@ def apply(plan: Plan, verification: dict[str, Any] | None) -> Plan:
                 words = f"{WITHIN_NOISE}: "
             rec.why = f"Tried {rec.setting} = {tried} on the job: {words}{reason}. {rec.why}"
     return out
+
+
+def inside_margin(low: float | None, high: float | None, margin: float) -> bool:
+    """The whole interval of ratios lies within ±margin (in log terms): the runs rule out any change
+    that would matter, which is what "yours is fine" claims."""
+    if low is None or high is None or low <= 0:
+        return False
+    return math.log(high) <= math.log1p(margin) and -math.log(low) <= math.log1p(margin)
+
+
+def no_effect_words(low: float | None, high: float | None, margin: float) -> tuple[str, bool]:
+    """(the words for a change that was neither better nor worse, whether they clear the change).
+
+    An interval inside the negligible margin clears it ("yours is fine"); a wider one says what the
+    runs could exclude: with −54 … +107 % they rule out only changes past those bounds, nothing the
+    user would call small."""
+    if inside_margin(low, high, margin):
+        return f"{WITHIN_NOISE} (every change beyond ±{margin:.0%} is excluded)", True
+    if low is None or high is None or low <= 0:
+        return "no interval from these runs: they cannot tell; more rounds would tell", False
+    widest = max(1 - low, high - 1)
+    return (
+        f"the runs rule out only changes larger than {100 * widest:.0f} % either way; more rounds would tell",
+        False,
+    )
+
+
+def conclusive(cand: dict[str, Any]) -> bool:
+    """A "no measurable effect" candidate whose interval clears the change (verification.json written
+    before `conclusive` was recorded: judged from its interval and target figure)."""
+    if "conclusive" in cand:
+        return bool(cand["conclusive"])
+    scope = METRIC_SCOPES.get(str(cand.get("target_metric") or ""), "")
+    return inside_margin(cand.get("ci_low"), cand.get("ci_high"), NEGLIGIBLE.get(scope, 0.0))
 
 
 def _unverified_reason(verification: dict[str, Any] | None) -> str:

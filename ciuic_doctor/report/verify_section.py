@@ -95,6 +95,8 @@ def status_text(evidence: dict[str, Any]) -> str:
     if found.get("ratio") is not None and found.get("ci_low") is not None:
         text += f": {found.get('target_metric')} {percent(found['ratio'])}"
         text += f" (95 % CI {interval(found['ci_low'], found['ci_high'])})"
+        if found.get("conclusive") is False:  # the interval is wider than a change that matters
+            text += ": more rounds would tell"
     elif found.get("reason"):
         text += f": {found['reason']}"
     return text

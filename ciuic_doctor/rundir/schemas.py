@@ -113,6 +113,9 @@ SCHEMAS: dict[str, dict[str, frozenset[str]]] = {
         "layer": OPT_INT,
         "max_send_bytes": OPT_INT,
         "max_recv_bytes": OPT_INT,
+        "round_p50_us": OPT_NUMBERS,  # --splits-from: per timed round, the slowest rank's median iteration
+        "hidden": OPT_INT,
+        "hidden_source": OPT_STR,  # where the routed token's width came from (recorded, or assumed)
     },
     "memwatch": {
         **COMMON,

@@ -15,7 +15,8 @@ stay within its tolerance (compare.loss: 4 σ of the runs' own step-to-step nois
                           5 % of memory, counts as none)
     hurts                 any figure significantly worse, the loss outside its tolerance, or the job
                           failed with the change
-    no measurable effect  neither
+    no measurable effect  neither; `conclusive` when the target's interval lies inside NEGLIGIBLE
+                          ("yours is fine"), else the words say the largest change the runs exclude
     not verifiable here   the change cannot act in a short run here (plan.NOT_VERIFIABLE), watch
                           refused it, or too few rounds fitted the budget
 """
@@ -28,15 +29,19 @@ from typing import Any
 
 from ciuic_doctor.compare.change import Change, judge_family
 from ciuic_doctor.compare.stats import count_test, t_interval
-from ciuic_doctor.recommend.verified import HELPS, HURTS, NO_EFFECT, NOT_VERIFIABLE, WITHIN_NOISE
+from ciuic_doctor.recommend.verified import (
+    HELPS,
+    HURTS,
+    NEGLIGIBLE,
+    NO_EFFECT,
+    NOT_VERIFIABLE,
+    no_effect_words,
+)
 from ciuic_doctor.verify.figures import RunFigures
 from ciuic_doctor.verify.plan import Candidate
 from ciuic_doctor.verify.runner import RunResult
 
 MIN_ROUNDS = 3  # a t interval from 2 rounds has 1 degree of freedom: 12.7 standard errors wide
-# Smaller changes are negligible even when significant: 4 workers raised the main process's RSS by a
-# steady 0.2 % (95 % CI +0.1 … +0.4 %), real and of no consequence; times move a few per cent with load.
-NEGLIGIBLE = {"pre_backward": 0.02, "step_time": 0.02, "rss": 0.05}
 FIGURES = {  # key -> (metric as the report names it, unit)
     "pre_backward": ("time before backward", "s"),
     "step_time": ("step time", "s"),
@@ -153,7 +158,9 @@ def judge(
         status, reason = HELPS, f"{target.text()}: significantly better, nothing significantly worse"
     else:
         status = NO_EFFECT
-        reason = f"{WITHIN_NOISE} ({target.text()})"
+        words, cleared = no_effect_words(target.ci_low, target.ci_high, NEGLIGIBLE.get(target.scope, 0.0))
+        reason = f"{words} ({target.text()})"
+        out["conclusive"] = cleared
     return {
         **out,
         "status": status,

@@ -15,6 +15,10 @@ from typing import Any
 from ciuic_doctor.recommend.core import setting_kind
 
 TARGETS = {"dataloader": "pre_backward", "precision": "skipped"}
+WORKERS = "dataloader.num_workers"
+# Settings that act only with DataLoader workers (torch refuses prefetch_factor without them, and
+# persistent_workers keeps nothing alive at 0): tried together with the worker count they need.
+NEED_WORKERS = ("dataloader.prefetch_factor", "dataloader.persistent_workers")
 # Changes whose effect a run of a few dozen steps cannot show, with the reason the report gives.
 NOT_VERIFIABLE = {
     "optim.clip_max_norm": "a clip threshold guards against rare grad-norm spikes; a short run of healthy "
@@ -119,6 +123,7 @@ def candidates(
     """A candidate per recommended change (each alone), then one per `--try` setting."""
     out: list[Candidate] = []
     seen: set[str] = set()
+    joined = _joined_to_workers(recommendations)
     for rec in recommendations:
         evidence = rec.get("evidence") if isinstance(rec.get("evidence"), dict) else {}
         earlier = evidence.get("verification") if isinstance(evidence.get("verification"), dict) else {}
@@ -135,6 +140,17 @@ def candidates(
         seen.add(key)
         group = {key: value}
         current = {key: rec.get("current")}
+        if key == WORKERS:
+            for other in joined:
+                group[spec_key(str(other.get("setting")))] = other.get("value")
+                current[spec_key(str(other.get("setting")))] = other.get("current")
+                seen.add(spec_key(str(other.get("setting"))))
+        elif key in NEED_WORKERS and _workers_now(recommendations) == 0:
+            # no worker count is recommended with it: at 0 workers it cannot act, so it is not tried
+            reason = "it acts only with DataLoader workers, and the job runs num_workers=0"
+            out.append(Candidate(id=f"c{len(out) + 1}", settings=group, current=current,
+                                 target=TARGETS["dataloader"], unverifiable=reason))  # fmt: skip
+            continue
         covers = []
         if key == "dataloader.num_workers" and value == 0:
             # prefetch_factor and persistent_workers need workers: their own recommendations (None /
@@ -166,3 +182,26 @@ def candidates(
             )
         )
     return out
+
+
+def _workers_now(recommendations: list[dict[str, Any]]) -> Any:
+    """The job's current num_workers as the recommendations carry it (None when none names it)."""
+    for rec in recommendations:
+        if rec.get("setting") == WORKERS:
+            return rec.get("current")
+    return None
+
+
+def _joined_to_workers(recommendations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The worker-dependent changes that go with a recommended move from 0 workers to some: at 0 they
+    cannot act, so each is tried with the worker count it needs, as one change."""
+    workers = next((r for r in recommendations if r.get("setting") == WORKERS), None)
+    if workers is None or workers.get("current") != 0 or not workers.get("change"):
+        return []
+    if not isinstance(workers.get("value"), int) or workers["value"] <= 0:
+        return []
+    return [
+        r
+        for r in recommendations
+        if r.get("setting") in NEED_WORKERS and r.get("change") and r.get("value") not in (None, False)
+    ]

@@ -38,11 +38,11 @@ class SplitPlan:
     hidden: int
     experts: int
     imbalance: float  # busiest destination's received volume / mean
+    hidden_source: str = "recorded"  # where `hidden` came from: recorded | the router's weight | assumed
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            k: getattr(self, k) for k in ("layer", "name", "routed", "even", "hidden", "experts", "imbalance")
-        }
+        keys = ("layer", "name", "routed", "even", "hidden", "experts", "imbalance", "hidden_source")
+        return {k: getattr(self, k) for k in keys}
 
 
 def owner(expert: int, experts: int, world: int) -> int:
@@ -66,9 +66,33 @@ def plan_from_run(path: str | Path, world: int, *, max_layers: int = MAX_LAYERS)
             f"--splits-from {path}: no MoE routing recorded there (moe.rank<R>.jsonl); record it with "
             "ciuic-doctor watch or job on an MoE model"
         )
-    hidden = (run.read_meta().get("model") or {}).get("config", {}) or {}
-    hidden_size = hidden.get("hidden_size") if isinstance(hidden.get("hidden_size"), int) else DEFAULT_HIDDEN
-    return plans(records, world, hidden_size=hidden_size, max_layers=max_layers)
+    hidden_size, source = token_size(run.read_meta().get("model"))
+    found = plans(records, world, hidden_size=hidden_size, max_layers=max_layers)
+    for plan in found:
+        plan.hidden_source = source
+    return found
+
+
+def token_size(model: Any) -> tuple[int, str]:
+    """(elements a routed token carries, where that number comes from): the model config's hidden_size,
+    else the router weight's input width watch recorded (meta.json model.moe.hidden_size), else
+    DeepSeek-V3's 7,168, said as an assumption (a tiny model's bytes would read 100× too large).
+
+    >>> token_size({"config": {"hidden_size": 4096}}), token_size({"moe": {"hidden_size": 32}})[0]
+    ((4096, 'recorded'), 32)
+    >>> token_size(None)[1]
+    "assumed DeepSeek-V3's hidden size 7168: the run recorded no model config nor router width"
+    """
+    model = model if isinstance(model, dict) else {}
+    config = model.get("config") if isinstance(model.get("config"), dict) else {}
+    if isinstance(config.get("hidden_size"), int) and config["hidden_size"] > 0:
+        return config["hidden_size"], "recorded"
+    moe = model.get("moe") if isinstance(model.get("moe"), dict) else {}
+    width = moe.get("hidden_size")
+    if isinstance(width, int) and not isinstance(width, bool) and width > 0:
+        return width, "the router weight's input width, as watch recorded it (no model config)"
+    why = "the run recorded no model config nor router width"
+    return DEFAULT_HIDDEN, f"assumed DeepSeek-V3's hidden size {DEFAULT_HIDDEN}: {why}"
 
 
 def plans(

@@ -10,11 +10,13 @@ mean bytes, #wrong.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ciuic_doctor.measures.student import paired_ratio
 from ciuic_doctor.probes.comm.bench import Bench
 from ciuic_doctor.probes.comm.collectives import DTYPES, elem_bytes
 from ciuic_doctor.probes.comm.measure import RankResult, sync, time_op, timing_figures
@@ -26,7 +28,7 @@ ROUNDS = 4  # timed loops per splits mode and layer (after one warm-up round), e
 class SplitsBench(Bench):
     """comm-bench's rank, sweeping recorded MoE dispatch splits instead of message sizes."""
 
-    ratios: dict[int, float]
+    ratios: dict[int, tuple[float, float, float] | None]
 
     def sweep(self) -> None:
         self.ratios = {}
@@ -35,6 +37,8 @@ class SplitsBench(Bench):
             plans[0] = [p.to_dict() for p in plan_from_run(self.cfg.splits_from, self.world)]
         dist.broadcast_object_list(plans, src=0, group=self.control)
         layers = [SplitPlan(**p) for p in plans[0]]
+        if layers and layers[0].hidden_source != "recorded":
+            self.say(f"# token size: {layers[0].hidden_source}")
         self.say(
             f"# comm-bench --splits-from {self.cfg.splits_from}: all_to_all_single on {self.world} ranks "
             f"({self.backend}, {self.cfg.dtype}), {len(layers)} MoE layer(s), experts placed on ranks in "
@@ -46,7 +50,7 @@ class SplitsBench(Bench):
             return
         self.say(
             f"# {'layer':>5} {'router':<28} {'MB/rank':>8} {'even p50 us':>11} {'routed p50 us':>13} "
-            f"{'ratio':>6}"
+            f"{'ratio':>6} {'95 % CI':>13}"
         )
         for plan in layers:
             results: dict[str, list[RankResult]] = {"even": [], "routed": []}
@@ -60,11 +64,12 @@ class SplitsBench(Bench):
                 continue
             # medians of the iterations: a shared machine's stalls land in the means, not in the medians
             even, routed = figures["even"], figures["routed"]
-            ratio = routed["time_us_p50"] / even["time_us_p50"] if even["time_us_p50"] else float("nan")
-            self.ratios[plan.layer] = ratio
+            paired = paired_ratio(even["round_p50_us"], routed["round_p50_us"])
+            self.ratios[plan.layer] = paired
+            shown = f"{paired[0]:>6.2f} {paired[1]:>6.2f}–{paired[2]:<6.2f}" if paired else f"{'—':>6}"
             self.say(
                 f"  {plan.layer:>5} {plan.name[-28:]:<28} {routed['bytes'] / 2**20:>8.2f} "
-                f"{even['time_us_p50']:>11.1f} {routed['time_us_p50']:>13.1f} {ratio:>6.2f}"
+                f"{even['time_us_p50']:>11.1f} {routed['time_us_p50']:>13.1f} {shown}"
             )
 
     def time_mode(self, plan: SplitPlan, mode: str) -> RankResult:
@@ -86,6 +91,10 @@ class SplitsBench(Bench):
         )
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
         dist.gather_object(mine, gathered, dst=0, group=self.control)
+        # each round's median on this rank; the round's time is its slowest rank's (all wait for it)
+        per_round = [statistics.median(r.durations_us) if r.durations_us else None for r in rounds]
+        rounds_gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(per_round, rounds_gathered, dst=0, group=self.control)
         self.rows += 1
         if gathered is None:
             return {}
@@ -95,6 +104,7 @@ class SplitsBench(Bench):
             collective="all_to_all", algo="default", backend=self.backend, dtype=self.cfg.dtype,
             world_size=self.world, status="ok", inplace=False, splits=mode, layer=plan.layer,
             router=plan.name, experts=plan.experts, hidden=plan.hidden, imbalance=plan.imbalance,
+            hidden_source=plan.hidden_source, round_p50_us=_slowest_per_round(rounds_gathered or []),
         )  # fmt: skip
         self.writer.write(record)
         self.records.append(record)
@@ -102,11 +112,20 @@ class SplitsBench(Bench):
         return record
 
     def summary(self) -> str:
-        worst = max(self.ratios.items(), key=lambda kv: kv[1], default=None)
         line = f"# {self.rows} rows, {self.wrong_total} wrong elements, in {self.path / 'comm.jsonl'}"
-        if worst:
+        judged = {layer: r for layer, r in self.ratios.items() if r is not None}
+        costly = {layer: r for layer, r in judged.items() if r[1] > 1.0}  # the whole interval above 1
+        if costly:
+            layer, (ratio, low, high) = max(costly.items(), key=lambda kv: kv[1][1])
             line += (
-                f"\n# the recorded routing costs layer {worst[0]} {worst[1]:.2f}x the time of equal splits"
+                f"\n# the recorded routing costs layer {layer} {ratio:.2f}x the time of equal splits "
+                f"(95 % CI {low:.2f}–{high:.2f}x over {ROUNDS} paired rounds)"
+            )
+        elif judged:
+            widest = max(max(high, 1 / low) for _, low, high in judged.values())
+            line += (
+                f"\n# no measurable cost of the recorded routing: every layer's 95 % interval holds 1.00x "
+                f"(the rounds exclude only changes beyond {widest:.2f}x; more rounds would tell)"
             )
         return line
 
@@ -134,6 +153,14 @@ def _time_splits(
     for s, block in enumerate(out.to(torch.float32).split(recv)):
         wrong += int((block != float(s)).sum())
     return RankResult(time_s=elapsed, iters=iters, durations_us=marks.durations_us(), wrong=wrong)
+
+
+def _slowest_per_round(gathered: list[Any]) -> list[float]:
+    """Per round, the slowest rank's median iteration (µs): what the collective took that round."""
+    rounds = [r for r in gathered if isinstance(r, list)]
+    if not rounds:
+        return []
+    return [max(v for v in column if v is not None) for column in zip(*rounds, strict=False) if any(column)]
 
 
 def _figures(

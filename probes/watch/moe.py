@@ -65,6 +65,8 @@ class Gate:
     tokens: int = 0
     calls: int = 0
     checked: bool = False
+    hidden: int | None = None  # the width of a token it routes (its weight's [experts, hidden])
+    unread: str = ""  # why its output could not be read as expert choices ("" = read, or not yet called)
 
 
 @dataclass(kw_only=True)
@@ -83,6 +85,8 @@ class MoeRecorder:
     _writer: Any = None
     _model_meta: dict[str, Any] | None = None
     _meta_written: bool = False
+    _expert_blocks: list[str] = field(default_factory=list)  # modules that hold an experts container
+    _status_written: bool = False
 
     def __post_init__(self) -> None:
         self._queue = PendingQueue(finish=self._write)
@@ -104,6 +108,8 @@ class MoeRecorder:
             parent = names.get(name.rpartition(".")[0]) if name else None
             if name and _is_router(name, module, parent):
                 self._add_gate(name, module, parent)
+            elif name and _is_experts(name, module):
+                self._expert_blocks.append(name.rpartition(".")[0] or name)
         embedding = _token_embedding(root) if fresh else None
         if embedding is not None and embedding not in self._embeddings:
             # Hooked on the embedding, not the model: it is called in this very forward (a hook added to
@@ -120,6 +126,7 @@ class MoeRecorder:
             layer=int(match.group(1)) if match else len(self.gates),
             experts=_experts(module, parent),
             top_k=_attr_int((module, parent, getattr(parent, "config", None)), TOP_K_ATTRS),
+            hidden=_width(module),
         )
         self.gates.append(gate)
         handle = module_hooks.forward_hook(module, lambda m, a, out: self._on_gate(gate, out))
@@ -131,9 +138,12 @@ class MoeRecorder:
             return
         indices = _indices(output, gate)
         if indices is None:
-            if not gate.checked:  # not a router after all: stop listening
+            if not gate.checked:  # not a router after all (or one of a shape not read): stop listening
                 gate.checked = True
                 gate.experts = None
+                gate.unread = (
+                    f"its output ({_shapes(output)}) holds no [tokens, top_k] expert indices or logits"
+                )
             return
         gate.checked = True
         if gate.experts is None:
@@ -163,6 +173,9 @@ class MoeRecorder:
         if not primary:
             return None
         self.stop_discovery()  # every model trained has run its forward by now
+        if not self._status_written:
+            self._status_written = True
+            self.session._guarded(self._write_status)
         if self.sampling:
             self._cut(step)
         self.sampling = step % max(1, self.every) == 0  # the next step, step + 1, is 1 + k·every
@@ -197,6 +210,27 @@ class MoeRecorder:
         self._meta_written = True
         meta = {**self._model_meta, "seq_len": self.seq_len, "routers": len(self.gates)}
         self.session.run.update_meta(model=meta)
+
+    def _write_status(self) -> None:
+        """meta.json model.moe after the first step, when the model has experts or routers: which routers
+        were read, which were found but not read (and why), and expert blocks without a router found, so
+        the analysis can tell "balanced" from "not recorded"."""
+        if self.session.rank != 0:
+            return
+        read = [g.name for g in self.gates if g.experts is not None and g.checked]
+        unread = [{"name": g.name, "why": g.unread} for g in self.gates if g.unread]
+        routed = {g.name.rpartition(".")[0] for g in self.gates}
+        blocks = [b.removeprefix("module.").removeprefix("_orig_mod.") for b in self._expert_blocks]
+        without = [b for b in dict.fromkeys(blocks) if b not in routed]
+        widths = [g.hidden for g in self.gates if g.hidden]
+        if read or unread or without:
+            status = {
+                "hidden_size": widths[0] if widths else None,
+                "routers_read": read[:64],
+                "routers_unread": unread[:64],
+                "experts_without_router": without[:64],
+            }
+            self.session.run.update_meta(model={"moe": status})
 
     def stop_discovery(self) -> None:
         if self.discovery is not None:
@@ -250,23 +284,53 @@ def _experts(module: torch.nn.Module, parent: torch.nn.Module | None) -> int | N
 
 
 def _indices(output: Any, gate: Gate) -> torch.Tensor | None:
-    """The top-k expert indices in a router's output, or top-k of its logits; None if neither."""
+    """The top-k expert indices in a router's output as [tokens, k], or top-k of its logits; None if
+    neither. Tokens may come flat ([tokens, k]) or per sequence ([batch, seq, k], [batch, seq, experts]):
+    every leading dimension is a token dimension."""
     items = output if isinstance(output, tuple | list) else (output,)
-    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    tensors = [t for t in items if isinstance(t, torch.Tensor) and t.dim() >= 2]
     for t in tensors:
         integer = not t.is_floating_point() and t.dtype != torch.bool
-        if integer and t.dim() == 2 and (gate.top_k is None or t.shape[-1] == gate.top_k):
+        if integer and (gate.top_k is None or t.shape[-1] == gate.top_k):
             if gate.experts is None:
-                logits = next((x for x in tensors if x.is_floating_point() and x.dim() == 2), None)
+                logits = next((x for x in tensors if x.is_floating_point()), None)
                 gate.experts = int(logits.shape[-1]) if logits is not None else None
-            return t
-    logits = next((t for t in tensors if t.is_floating_point() and t.dim() == 2 and t.shape[-1] >= 2), None)
+            return t.reshape(-1, t.shape[-1])
+    logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] >= 2), None)
     if logits is None or not gate.top_k or gate.top_k >= logits.shape[-1]:
         return None
     if gate.experts is None:
         gate.experts = int(logits.shape[-1])
     with torch.no_grad():
-        return logits.topk(gate.top_k, dim=-1).indices
+        return logits.reshape(-1, logits.shape[-1]).topk(gate.top_k, dim=-1).indices
+
+
+def _width(module: torch.nn.Module) -> int | None:
+    """A router's input width from its weight [experts, hidden] (comm-bench's bytes per routed token)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[1])
+    return None
+
+
+def _shapes(output: Any) -> str:
+    """A router output as the words of a not_run: its tensors' dtypes and shapes."""
+    items = output if isinstance(output, tuple | list) else (output,)
+    parts = [
+        f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+        for t in items[:4]
+    ]
+    return ", ".join(parts) or "nothing"
+
+
+def _is_experts(name: str, module: torch.nn.Module) -> bool:
+    """A container of experts: an `experts` ModuleList/ModuleDict, or one of modules whose class names
+    say Expert (a model that calls its router something watch does not recognise still has these)."""
+    if not isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict) or len(module) < 2:
+        return False
+    return name.rpartition(".")[2] == "experts" or all("expert" in type(m).__name__.lower() for m in module)
 
 
 def _token_embedding(root: torch.nn.Module) -> torch.nn.Module | None:

@@ -127,7 +127,8 @@ class Override:
     note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"script": self.script, "in_force": self.value, "through": self.through}
+        in_force = self.value if self.applied else None  # a value put into nothing is not in force
+        out = {"script": self.script, "in_force": in_force, "through": self.through}
         out["applied"] = self.applied
         return {**out, "note": self.note} if self.note else out
 
@@ -215,6 +216,15 @@ def _take(state: Overrides, key: str, bound: inspect.BoundArguments, param: str,
     o.applied += 1
 
 
+def _not_in_force(state: Overrides, key: str) -> None:
+    """`key` was dropped from this DataLoader (it needs workers): it is not in force there, and a key
+    in force nowhere is refused with this reason, never reported as applied."""
+    o = state.items.get(key)
+    if o is not None and o.seen and o.applied:
+        o.applied -= 1
+        o.note = "it acts only with DataLoader workers, and the script's loader runs num_workers=0"
+
+
 def _hook_loader(state: Overrides) -> None:
     from torch.utils.data import DataLoader
 
@@ -229,6 +239,7 @@ def _hook_loader(state: Overrides) -> None:
             if bound.arguments.get("num_workers", 0) == 0:  # DataLoader refuses these without workers
                 for name in ("prefetch_factor", "persistent_workers", "multiprocessing_context"):
                     bound.arguments.pop(name, None)
+                    _not_in_force(state, f"dataloader.{name}")
             original(*bound.args, **bound.kwargs)
 
         return __init__

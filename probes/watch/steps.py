@@ -106,7 +106,10 @@ def grad_norm(optimizer: Any) -> torch.Tensor | None:
     grads = [p.grad for p in optimizer_params(optimizer) if p.grad is not None]
     if not grads:
         return None
-    norm = torch.nn.utils.get_total_norm(grads)
+    if len(grads) == 1 and not grads[0].is_sparse:  # one op, not get_total_norm's foreach + stack + norm
+        norm = torch.linalg.vector_norm(grads[0].detach())
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
     # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
     grad_scale = getattr(optimizer, "grad_scale", None)
     if isinstance(grad_scale, torch.Tensor):

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import re
 import runpy
 import sys
 import traceback
@@ -42,6 +43,40 @@ def module_search_path() -> Iterator[None]:
 def describe_target(argv: list[str]) -> str:
     """The target without its arguments, for messages."""
     return f"-m {argv[1]}" if argv and argv[0] == "-m" and len(argv) > 1 else (argv[0] if argv else "")
+
+
+_INTERPRETER = re.compile(r"^python(\d+(\.\d+)?)?$")
+
+
+def strip_interpreter(argv: list[str]) -> list[str]:
+    """`watch -- python script.py` as `watch -- script.py`: watch is the interpreter, so a leading
+    python / python3 / python3.11 / this interpreter's path is dropped. Interpreter options after it
+    (-u, -O, -X ...) cannot be applied to a script watch runs in its own process: refused with the form
+    that works.
+
+    >>> strip_interpreter(["python3", "train.py", "--lr", "1"]), strip_interpreter(["python", "-m", "pkg"])
+    (['train.py', '--lr', '1'], ['-m', 'pkg'])
+    """
+    if not argv or not _is_interpreter(argv[0]):
+        return argv
+    rest = argv[1:]
+    if rest and rest[0].startswith("-") and rest[0] != "-m":
+        raise UserError(
+            f"{argv[0]} {rest[0]}: watch runs the script in its own interpreter and cannot pass interpreter "
+            f"options; use `ciuic-doctor watch -- script.py [args]` (for -u: PYTHONUNBUFFERED=1 "
+            "ciuic-doctor watch -- script.py)"
+        )
+    return rest
+
+
+def _is_interpreter(first: str) -> bool:
+    """python, python3, python3.11 (a name on PATH), a path to one, or this interpreter's own path."""
+    path = Path(first)
+    if _INTERPRETER.match(path.name):
+        return "/" not in first or path.is_file()
+    with contextlib.suppress(OSError):
+        return path.is_file() and os.path.samefile(path, sys.executable)
+    return False
 
 
 def check_target(argv: list[str]) -> None:

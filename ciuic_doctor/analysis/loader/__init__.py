@@ -12,6 +12,9 @@ Checks (stream `loader`, the last sweep in the run directory):
 - `loader_budget`: worker counts against the CPU budget per local rank (min(affinity, cgroup quota) //
   local world size), which neither PyTorch's nor Lightning's warnings account for.
 - `loader_errors`: configurations whose workers crashed, raised or hung (DataLoader timeout / watchdog).
+- `data_wait` (stream `steps`, wait.py): how long a watched job's steps wait for their batch, from watch's
+  own timings, and the workers that would hide it: the everyday path (watch + report) sees a loader-bound
+  job without a sweep.
 
 Pure functions of records: no torch, no pandas. The pooled estimate and the noise rule live in
 measures/loader_pool.py, which the sweep uses too: it drops configurations by the rule the report judges by.
@@ -36,7 +39,7 @@ from ciuic_doctor.measures.loader_pool import (  # noqa: F401 - part of this mod
 from ciuic_doctor.rundir.findings import Finding, Recommendation
 from ciuic_doctor.rundir.store import RunDir
 
-STREAMS = ("loader",)
+STREAMS = ("loader", "steps")
 PROBE = "loader"
 
 KNEE_FRACTION = 0.90  # the knee: the fewest workers that reach 90 % of the best rate
@@ -103,10 +106,14 @@ def _failures(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def analyze(run: RunDir) -> list[Finding]:
+    from ciuic_doctor.analysis.loader.wait import wait_findings
     from ciuic_doctor.rundir.frames import read_records
 
-    header, records = last_sweep(read_records(run, "loader"))
-    return analyze_records(header, records)
+    findings = wait_findings(run)
+    if run.has_stream("loader"):
+        header, records = last_sweep(read_records(run, "loader"))
+        findings = [*analyze_records(header, records), *findings]
+    return findings
 
 
 def analyze_records(header: dict[str, Any], records: list[dict[str, Any]]) -> list[Finding]:

@@ -91,6 +91,13 @@ def _first_step_t(data: _Data, rank: int) -> float | None:
     return float(t.min()) if len(t) else None
 
 
+def _steps_recorded(data: _Data, rank: int) -> int:
+    """How many step records `rank` has (0: a process memwatch saw without steps)."""
+    import numpy as np
+
+    return int(np.isfinite(data.steps.column(rank, "step")).sum())
+
+
 def _host_series(data: _Data, rank: int) -> Series | None:
     """memwatch's samples when there are enough after warm-up, else the steps' own rss (every step)
     — a short job watched at 1 s has fewer samples than steps."""
@@ -301,6 +308,18 @@ def _leak_finding(
         f"{'steps' if unit == 'step' else 'seconds'}_observed": round(trend.x_last - trend.x_first, 2),
     }
     observed = trend.x_last - trend.x_first
+    stepped = _steps_recorded(data, rank)
+    if _grows(trend, LEAK_MIN_BYTES) and unit == "s" and stepped:
+        # The rank trains in steps, yet its samples could not be placed on them: they lie outside the
+        # steps (start-up, an evaluation, a crash after step 1). Growth there is no per-step leak.
+        return _not_run(
+            "memory_leak",
+            f"rank {rank} {kind} memory grew {trend.slope / MIB:.1f} MiB/s outside its {stepped} recorded "
+            f"step(s) (start-up, evaluation or the way to a crash, not training): a leak is judged over "
+            f"at least {LEAK_MIN_SPAN_STEPS} steady steps, so run more steps to tell",
+            where=where,
+            **evidence,
+        )
     if _grows(trend, LEAK_MIN_BYTES) and unit == "step" and observed < LEAK_MIN_SPAN_STEPS:
         return _not_run(  # a short run's growth is start-up as often as a leak: no verdict, the reason
             "memory_leak",

@@ -32,7 +32,7 @@ import numpy as np
 from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import RunDir
 
-STREAMS = ("moe", "comm")
+STREAMS = ("moe", "comm", "steps")  # steps: a watched run whose model has experts watch could not read
 PROBE = "moe"
 IMBALANCE_WARN = 1.5  # busiest expert / mean: the layer's expert-parallel time ≥ 1.5 x balanced
 NOISE_Z = 3.0  # a balanced multinomial's max/mean stays below 1 + 3/sqrt(mean) (z = 3 over <= 256 experts)
@@ -140,15 +140,49 @@ def dead_in(entry: dict[str, Any]) -> tuple[list[int], int | None]:
 
 def analyze(run: RunDir) -> list[Finding]:
     findings = []
-    if run.has_stream("moe"):
-        table = load_table(run.read("moe").records)
-        if table:
-            findings += [imbalance_finding(table), dead_finding(table)]
+    table = load_table(run.read("moe").records) if run.has_stream("moe") else {}
+    if table:
+        findings += [imbalance_finding(table), dead_finding(table)]
+    status = ((run.read_meta().get("model") or {}).get("moe")) if run.has_stream("steps") else None
+    if isinstance(status, dict) and (silent := not_recorded_finding(status, bool(table))) is not None:
+        findings.append(silent)
     if run.has_stream("comm"):
         routed = alltoall_finding(run.read("comm").records)
         if routed is not None:
             findings.append(routed)
     return findings
+
+
+def not_recorded_finding(status: dict[str, Any], recorded: bool) -> Finding | None:
+    """not_run when the model has experts whose routing watch did not record (meta.json model.moe, from
+    probes/watch/moe.py): a router found whose output it could not read, or expert blocks with no router
+    it recognised. Without this a silent run reads as "balanced"."""
+    unread = [u for u in status.get("routers_unread") or [] if isinstance(u, dict)]
+    without = [str(b) for b in status.get("experts_without_router") or []]
+    if not unread and not without:
+        return None
+    parts = []
+    if unread:
+        first = unread[0]
+        parts.append(f"{len(unread)} router(s) found but not read: {first.get('name')}: {first.get('why')}")
+    if without:
+        parts.append(
+            f"{len(without)} expert block(s) with no router watch recognises ({', '.join(without[:3])}"
+            f"{', …' if len(without) > 3 else ''}; a router is a `gate`/`router` module beside `experts`, "
+            "or a class named *Router/*Gate)"
+        )
+    scope = "the routers read are judged above; " if recorded else "no expert load recorded: "
+    return Finding(
+        probe=PROBE,
+        check="expert_routing_recorded",
+        verdict="not_run",
+        summary=scope + "; ".join(parts),
+        evidence={
+            "routers_unread": unread,
+            "experts_without_router": without,
+            "routers_read": list(status.get("routers_read") or []),
+        },
+    )
 
 
 def _series(stats: dict[int, dict[str, Any]], table: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -261,7 +295,13 @@ def dead_finding(table: dict[int, dict[str, Any]]) -> Finding:
 
 
 def alltoall_finding(records: list[dict[str, Any]]) -> Finding | None:
-    """Routed vs even all_to_all (comm-bench --splits-from): the slowdown per layer."""
+    """Routed vs even all_to_all (comm-bench --splits-from): per layer the ratio of the medians with its
+    95 % interval over the paired rounds (even and routed alternate round by round; measures.student.
+    paired_ratio). A layer costs something only when its whole interval lies above 1; the headline is
+    the layer whose interval lies highest, or "no measurable cost" when every interval holds 1 (on gloo
+    the routed and even dispatches read 0.91-1.10x at random)."""
+    from ciuic_doctor.measures.student import paired_ratio
+
     pairs: dict[Any, dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in records:
         if (
@@ -275,6 +315,11 @@ def alltoall_finding(records: list[dict[str, Any]]) -> Finding | None:
         routed, even = pair.get("routed"), pair.get("even")
         if not routed or not even or not even.get("time_us_p50") or not routed.get("time_us_p50"):
             continue
+        rounds = [
+            [v for v in side.get("round_p50_us") or [] if isinstance(v, int | float)]
+            for side in (even, routed)
+        ]
+        paired = paired_ratio(rounds[0], rounds[1]) if len(rounds[0]) == len(rounds[1]) else None
         rows.append(
             {
                 "layer": layer,
@@ -282,24 +327,49 @@ def alltoall_finding(records: list[dict[str, Any]]) -> Finding | None:
                 "even_us": even["time_us_p50"],
                 "routed_mean_us": routed.get("time_us"),
                 "even_mean_us": even.get("time_us"),
-                "ratio": round(routed["time_us_p50"] / even["time_us_p50"], 3),
+                "ratio": round(paired[0] if paired else routed["time_us_p50"] / even["time_us_p50"], 3),
+                "ci_low": round(paired[1], 3) if paired else None,
+                "ci_high": round(paired[2], 3) if paired else None,
+                "rounds": len(rounds[0]) if paired else None,
                 "bytes_per_rank": routed.get("bytes"),
                 "max_rank_send_bytes": routed.get("max_send_bytes"),
+                "hidden": routed.get("hidden"),
+                "hidden_source": routed.get("hidden_source"),
             }
         )
     if not rows:
         return None
-    rows.sort(key=lambda row: -row["ratio"])
+    rows.sort(key=lambda row: -(row["ci_low"] if row["ci_low"] is not None else row["ratio"]))
     top = rows[0]
-    slow = top["ratio"] >= ALLTOALL_WARN
+    costly = [row for row in rows if row["ci_low"] is not None and row["ci_low"] > 1.0]
+    slow = [row for row in costly if row["ratio"] >= ALLTOALL_WARN]
+    assumed = top.get("hidden_source") or ""
+    note = f"; token size {assumed}" if assumed.startswith("assumed") else ""
+    if costly:
+        summary = (
+            f"all_to_all with the recorded routing: layer {top['layer']} takes {top['ratio']:.2f}x the time "
+            f"of equal splits of the same volume (95 % CI {top['ci_low']:.2f}–{top['ci_high']:.2f}x over "
+            f"{top['rounds']} paired rounds; {top['routed_us']:.0f} vs {top['even_us']:.0f} us, medians); "
+            f"{len(costly)} of {len(rows)} layer(s) cost measurably"
+            + (f"; the router's imbalance costs the dispatch >= {ALLTOALL_WARN}x" if slow else "")
+        )
+    elif all(row["ci_low"] is not None for row in rows):
+        widest = max(max(row["ci_high"], 1 / row["ci_low"]) for row in rows)
+        summary = (
+            f"all_to_all with the recorded routing: no measurable cost on any of {len(rows)} layer(s): every "
+            f"95 % interval holds 1.00x (largest ratio {max(r['ratio'] for r in rows):.2f}x; the rounds "
+            f"exclude only changes beyond {widest:.2f}x, more rounds would tell)"
+        )
+    else:
+        summary = (
+            f"all_to_all with the recorded routing: layer {top['layer']} {top['ratio']:.2f}x the time of "
+            f"equal splits (medians, no per-round times recorded: no interval); {len(rows)} layer(s) measured"
+        )
     return Finding(
         probe="comm",
         check="alltoall_routing",
         verdict="warn" if slow else "pass",
-        summary=f"all_to_all with the recorded routing: layer {top['layer']} takes {top['routed_us']:.0f} us "
-        f"vs {top['even_us']:.0f} us with equal splits of the same volume ({top['ratio']:.2f}x, medians of "
-        f"the iterations); {len(rows)} layer(s) measured"
-        + (f"; the router's imbalance costs the dispatch >= {ALLTOALL_WARN}x" if slow else ""),
+        summary=summary + note,
         evidence={"layers": rows, "threshold": ALLTOALL_WARN},
-        where={"layers": [row["layer"] for row in rows if row["ratio"] >= ALLTOALL_WARN]},
+        where={"layers": [row["layer"] for row in slow]},
     )

@@ -82,8 +82,9 @@ class Observer:
         self.backward_calls: Counter[int] = Counter()
         self.accumulation: Counter[int] = Counter()  # micro-batches per step (steps.accumulated)
         self._param_owner: dict[int, int] = {}  # id(parameter) -> index of the optimizer that steps it
+        self._owned: dict[int, tuple[int, frozenset[int]]] = {}  # id(optimizer) -> (count, param ids)
         self.coupled: set[tuple[int, int]] = set()  # (i, j): optimizer i's loss reaches j's parameters
-        self.clip_max_norms: Counter[float] = Counter()
+        self.clip_max_norms: Counter[float | None] = Counter()
         self.records = 0
         self.param_dtype: str | None = None
         self.broken = False
@@ -271,14 +272,25 @@ class Observer:
             return
         if group.sites:
             self.accumulation[accumulated(group)] += 1
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for pid in mine:
-            self._param_owner.setdefault(pid, index)
+        mine = self._params_of(optimizer)
         if group.reached:
             for pid in group.reached - mine:
                 other = self._param_owner.get(pid)
                 if other is not None and other != index:
                     self.coupled.add((index, other))
+
+    def _params_of(self, optimizer: Any) -> frozenset[int]:
+        """ids of its parameters, gathered again only when their count changes (not every step)."""
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        cached = self._owned.get(id(optimizer))
+        if cached is not None and cached[0] == count:
+            return cached[1]
+        mine = frozenset(id(p) for g in optimizer.param_groups for p in g["params"])
+        index = self._optimizer_index[id(optimizer)]
+        for pid in mine:
+            self._param_owner.setdefault(pid, index)
+        self._owned[id(optimizer)] = (count, mine)
+        return mine
 
     def on_step(self, optimizer: Any) -> None:
         self.on_any_step(optimizer)
@@ -323,7 +335,7 @@ class Observer:
         if isinstance(calls, int) and calls > 0:
             self.backward_calls[calls] += 1
         clip = record.get("clip_max_norm")
-        self.clip_max_norms[float(clip) if isinstance(clip, int | float) else 0.0] += 1
+        self.clip_max_norms[float(clip) if isinstance(clip, int | float) else None] += 1
 
     # ---- the record --------------------------------------------------------------------------
     def observed(self) -> dict[str, Any]:

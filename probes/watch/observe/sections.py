@@ -153,7 +153,7 @@ def _optim(observer: Any, schedulers: list[dict[str, Any]], steps: int | None) -
     if isinstance(group.get("betas"), list):
         optim["betas"] = [float(b) for b in group["betas"]]
     if observer.records:
-        # 0 = the script never called clip_grad_norm_ (the spec's "0 disables clipping").
+        # None (null) = the script never called clip_grad_norm_: no threshold, not a threshold of 0
         optim["clip_max_norm"] = observer.clip_max_norms.most_common(1)[0][0]
     warmup = _warmup_pct(schedulers, lr, steps)
     if warmup is not None:

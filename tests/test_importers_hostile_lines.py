@@ -80,3 +80,23 @@ def test_a_100000_blank_line_is_read_in_under_a_second_per_format(tmp_path, fill
         [sys.executable, "-c", prelude + script], check=False, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_losses_near_the_float_range_are_judged_without_numpy_warnings(tmp_path):
+    """A log alternating ±1.7e308 overflowed numpy's means: RuntimeWarnings reached the user."""
+    import warnings
+
+    from ciuic_doctor.analysis.stability import analyze_log
+    from ciuic_doctor.importers import load
+
+    big = [1.7e308 if i % 2 else -1.7e308 for i in range(200)]
+    lines = [
+        f"step: {i}  loss: {big[i]:.6g}  grad_norm: {big[i]:.6g}  memory: 1.0GiB(1.0%)  tps: 1,000"
+        for i in range(1, 200)
+    ]
+    path = tmp_path / "big.log"
+    path.write_text("\n".join(lines) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        findings = analyze_log(load([path], "torchtitan"))
+    assert findings

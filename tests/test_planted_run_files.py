@@ -62,3 +62,27 @@ def test_report_takes_a_verification_json_with_null_or_foreign_figures(tmp_path,
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     assert "num_workers=2" in (run.path / "report.html").read_text()
+
+
+def test_compare_says_which_run_had_records_it_could_not_read(tmp_path, cli):
+    from ciuic_doctor.rundir.store import RunDir
+
+    paths = []
+    for name in ("a", "b"):
+        run = RunDir.create(tmp_path / name)
+        for rank in range(2):
+            if name == "b" and rank == 1:
+                (run.path / "steps.rank1.jsonl").mkdir()  # a stream that is a folder
+                continue
+            writer = run.writer("steps", rank=rank, per_rank_file=True)
+            for step in range(1, 31):
+                writer.write(
+                    {"step": step, "t": 1000.0 + step, "step_time_s": 0.1 + step * 1e-4, "rank": rank}
+                )
+            writer.close()
+        paths.append(str(run.path))
+    done = cli("compare", *paths, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if "records_readable" in line)
+    assert f"run B ({paths[1]}): skipped what could not be read" in line
+    assert "steps.rank1.jsonl unreadable (a directory, not a regular file)" in line

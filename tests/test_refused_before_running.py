@@ -43,3 +43,28 @@ def test_checkup_refuses_a_dataset_it_cannot_find_before_the_script_runs(tmp_pat
     assert words in line
     assert not marker.exists()
     assert not out.exists()
+
+
+def test_stability_refuses_to_import_a_log_into_a_recorded_jobs_run(tmp_path, cli):
+    """Merged there, the import's findings were dropped by `report --reanalyze`, which judged the
+    job's own 4 steps instead."""
+    import logsynth
+
+    from ciuic_doctor.rundir.store import RunDir
+
+    run = RunDir.create(tmp_path / "job")
+    writer = run.writer("steps", rank=0, per_rank_file=True)
+    for step in range(1, 5):
+        writer.write({"step": step, "t": 1000.0 + step, "loss": 3.0, "rank": 0})
+    writer.close()
+    log = tmp_path / "train.log"
+    log.write_text(logsynth.megatron_log(logsynth.make_run(300)))
+    done = cli("stability", str(log), "--out", str(run.path), timeout=180)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"ciuic-doctor stability: error: --out {run.path}: holds a recorded job's own steps; an imported "
+        "log's findings there would be replaced by the job's at the next analyze or report --reanalyze: "
+        "give another --out"
+    ]
+    assert not (run.path / "findings.json").exists()

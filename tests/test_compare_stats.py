@@ -157,3 +157,19 @@ def test_holm_family_wording():
     assert rows[0].family == 5
     assert percent(0.88) == "−12 %"
     assert percent(1.0) == "±0 %"
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "words"),
+    [
+        (10.0, 5e-324, "run B's level 4.94e-324 is not a measurement"),
+        (5e-324, 0.1, "run A's level 4.94e-324 is not a measurement"),
+        (1e-6, 1e6, "apart: not one job's measurements"),
+    ],
+)
+def test_a_ratio_of_levels_no_job_measures_is_refused_in_words(a, b, words):
+    """A step time of 5e-324 s made the ratio underflow to 0 and compare said "math domain error"."""
+    xa = np.full(40, a) * np.linspace(1.0, 1.01, 40)
+    xb = np.full(40, b) * np.linspace(1.0, 1.01, 40)
+    with pytest.raises(ValueError, match=words):
+        ratio_of_means(xa, xb)

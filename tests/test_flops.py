@@ -149,7 +149,7 @@ def test_mfu_is_not_run_on_cpu_without_a_peak_and_says_its_convention_with_one(t
     flops = h100.evidence["flops"]["flops_per_token"]
     assert h100.evidence["mfu"]["ciuic"] == pytest.approx(flops["ciuic"] * 5120 / 989e12)
     assert h100.evidence["mfu"]["torchtitan"] > h100.evidence["mfu"]["ciuic"]
-    given = _findings(_run_dir(tmp_path / "c", peak=1.0))["mfu"]
+    given = _findings(_run_dir(tmp_path / "c", peak=100.0))["mfu"]
     assert given.verdict == "pass"
     assert given.evidence["peak_source"] == "--peak-tflops"
     json.dumps(given.to_dict())  # findings.json must take it
@@ -187,3 +187,41 @@ def test_goodput_leaves_out_start_up_skipped_steps_and_stalls():
     finding = goodput_finding({0: good})
     assert finding.verdict == "warn"
     assert "1.0 s in steps longer than the typical" in finding.summary
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", 1e9), ("hidden_size", 10**200), ("vocab_size", -1), ("kv_lora_rank", "abc")],
+)
+def test_a_hostile_config_is_refused_before_anything_is_counted(tmp_path, field, value):
+    """A config is data from a run directory: `num_hidden_layers: 1e9` built a billion-entry list
+    (analyze > 90 s), `hidden_size: 10**200` overflowed a float ("please report it")."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=field):
+        flops_per_token({**DEEPSEEK_V3, field: value}, seq_len=4096)
+    assert time.perf_counter() - start < 1.0
+    run = _run_dir(tmp_path, peak=100.0)
+    meta = run.read_meta()
+    meta["model"]["config"][field] = value
+    run.update_meta(model=meta["model"])
+    mfu = _findings(run)["mfu"]
+    assert mfu.verdict == "not_run"
+    assert mfu.summary.startswith(f"MFU not computed: {field} must be a whole number from 0 to ")
+
+
+@pytest.mark.parametrize("peak", [1e-9, 1e-3])
+def test_mfu_above_100_percent_is_a_fail_that_says_an_input_is_wrong(tmp_path, peak):
+    mfu = _findings(_run_dir(tmp_path, peak=peak))["mfu"]
+    assert mfu.evidence["mfu"]["ciuic"] > 1
+    assert mfu.verdict == "fail"
+    assert "above 100 %" in mfu.summary
+    assert "an input is wrong" in mfu.summary
+
+
+def test_a_recorded_peak_that_is_not_a_positive_number_gives_no_mfu():
+    for bad in (0.0, -5.0, float("inf"), float("nan")):
+        peak = peak_tflops("NVIDIA H100 80GB HBM3", "bf16", given=bad)
+        assert peak.tflops is None
+        assert "not a positive number" in peak.reason

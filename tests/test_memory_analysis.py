@@ -240,3 +240,38 @@ def test_trend_doc_examples():
     result = doctest.testmod(_trend)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_a_short_job_sampled_in_time_is_not_judged_a_leak(tmp_path):
+    """A 4-step checkup: memwatch's samples grow with start-up (MiB/s), but the job's own steps say it
+    never got past start-up; judged, that was a FAIL "runs out in 0.1 h"."""
+    run = RunDir.create(tmp_path / "run")
+    t0 = 1_760_000_000.0
+    for rank in (0, 1):
+        writer = run.writer("steps", rank=rank, per_rank_file=True)
+        for step in range(1, 5):
+            writer.write({"step": step, "t": t0 + 28.0 + 0.3 * step, "step_time_s": 0.3, "rank": rank})
+        writer.close()
+    writer = run.writer("memwatch")
+    for sample in range(31):
+        for rank in (0, 1):
+            anon = 500 * MIB + sample * 14 * MIB  # 14 MiB/s of start-up growth
+            writer.write(
+                {
+                    "t": t0 + sample,
+                    "sample": sample,
+                    "pid": 7000 + rank,
+                    "role": f"rank {rank}",
+                    "rank": rank,
+                    "rss": anon + 100 * MIB,
+                    "anon": anon,
+                    "uss": anon,
+                    "pss": anon,
+                    "sys_total_bytes": 8 * GIB,
+                    "sys_available_bytes": 4 * GIB - sample * 28 * MIB,
+                }
+            )
+    writer.close()
+    leak = _leak(memory.analyze(run), "host", 0)
+    assert leak.verdict == "not_run", leak.summary
+    assert "while the job made only 4 step(s)" in leak.summary

@@ -166,10 +166,11 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             raise
 
-    from ciuic_doctor.launch import launch_local
+    from ciuic_doctor.launch import check_nproc, launch_local
     from ciuic_doctor.rundir.store import RunDir, default_run_path
 
     nproc = args.nproc or DEFAULT_NPROC
+    check_nproc(nproc)  # refused before the banner and the folder
     run_dir = RunDir.create(default_run_path(NAME, args.out))
     print(f"launching {nproc} local ranks -> {run_dir.path}", flush=True)
     try:

@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.probes.watch.overrides import parse
 
         parse(args.set_items)  # a bad --set is refused before anything runs
+        if args.dataset:
+            check_dataset_arg(args.dataset)
         code = checkup_script.run(args, script)
     else:
         code = _run_embedded(args)
@@ -131,6 +133,29 @@ def _embedded_spec(args: argparse.Namespace) -> object:
     if updates:
         spec = with_updates(spec, updates, origin="--set " + ", ".join(updates))
     return spec
+
+
+def check_dataset_arg(text: str) -> None:
+    """--dataset module:callable, checked before the script runs: the loader phase comes after it
+    (minutes), and a name that cannot be found was only found out then. The module is located, not
+    imported: importing runs user code, which the loader-sweep phase does in its own process."""
+    import importlib.util
+    import os
+    import sys
+
+    from ciuic_doctor.errors import UserError
+
+    module, sep, attr = text.partition(":")
+    if not sep or not module or not attr:
+        raise UserError(f"--dataset {text!r}: expected module:callable, e.g. mydata:build")
+    if os.getcwd() not in sys.path:  # loader-sweep imports it from here, as `python -m` would
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        raise UserError(f"--dataset {text}: cannot find module {module!r} ({exc})") from None
+    if found is None:
+        raise UserError(f"--dataset {text}: no module {module!r} here (run from the folder that holds it)")
 
 
 def _run_embedded(args: argparse.Namespace) -> int:

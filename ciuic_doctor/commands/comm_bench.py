@@ -116,6 +116,37 @@ def check_fits(max_bytes: int, world: int, local_ranks: int) -> None:
         )
 
 
+def check_splits_fit(splits_from: str, world: int, local_ranks: int, dtype: str) -> None:
+    """Refuse recorded routing whose all_to_all buffers cannot fit, before any rank allocates them.
+
+    The split sizes come from a run directory (data): counts of 10^15 or hidden_size 10^12 asked for
+    terabytes and failed as a measurement (exit 1). Host memory bounds CPU ranks (gloo); on a GPU, the
+    device's memory bounds one rank.
+    """
+    import torch
+
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.probes.comm.collectives import elem_bytes
+    from ciuic_doctor.probes.comm.splits import bytes_per_rank, plan_from_run
+    from ciuic_doctor.units import format_bytes
+
+    need = bytes_per_rank(plan_from_run(splits_from, world), elem_bytes(dtype))
+    if torch.cuda.is_available():
+        have, where, ranks = torch.cuda.get_device_properties(0).total_memory, "device memory", 1
+    else:
+        try:
+            import psutil
+
+            have, where, ranks = psutil.virtual_memory().available, "host memory", local_ranks
+        except (ImportError, OSError):
+            return
+    if need * ranks > have:
+        raise UserError(
+            f"--splits-from {splits_from}: the recorded routing needs {format_bytes(need)} of all_to_all "
+            f"buffers per rank ({ranks} rank(s) here); {format_bytes(have)} of {where} is available"
+        )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sizes = parser.add_argument_group("sizes (K/M/G are powers of 1024, as in nccl-tests)")
     sizes.add_argument("-b", "--min-bytes", default="1K", metavar="SIZE", help="default 1K")
@@ -286,6 +317,8 @@ def _run_rank(args: argparse.Namespace) -> int:
     if args.root >= world:
         raise UserError(f"--root {args.root} is not a rank of this {world}-rank job")
     check_fits(args.max_bytes, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if args.splits_from:
+        check_splits_fit(args.splits_from, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), args.dtype)
     cfg = BenchConfig(
         collectives=args.collectives,
         min_bytes=args.min_bytes,
@@ -328,6 +361,8 @@ def _run_local(args: argparse.Namespace) -> int:
 
         raise UserError(f"--root {args.root} is not a rank of a {nproc}-rank run")
     check_fits(args.max_bytes, nproc, nproc)
+    if args.splits_from:
+        check_splits_fit(args.splits_from, nproc, nproc, args.dtype)
     run = RunDir.create(default_run_path(NAME, args.out))
     try:
         launch_local(nproc, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})

@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.rundir.hang.files import has_hang_dumps, load
     from ciuic_doctor.rundir.store import RunDir
 
-    if (args.run is None) == (args.pid is None):
+    if args.run is None and args.pid is None:
+        raise UserError("give a run directory (hang RUN) or a running job (hang --pid PID)")
+    if args.run is not None and args.pid is not None:
         raise UserError("give a run directory (hang RUN) or a running job (hang --pid PID), not both")
     if args.pid is not None and args.pid <= 0:
         raise UserError(f"--pid {args.pid}: a process id is a positive number")

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         if entry.get("message"):
             raise ProbeFailed(f"{entry['message']}; records in {run_dir.path}") from None
         raise
+    except KeyboardInterrupt:  # Ctrl-C: 130, every record kept (README's `interrupted`)
+        run_dir.record_probe("job", status="interrupted", nproc=nproc)
+        raise
     except BaseException:
         run_dir.record_probe("job", status="failed", nproc=nproc)
         raise

@@ -138,6 +138,31 @@ def parse_int_list(text: str, option: str, minimum: int, maximum: int | None = N
     return sorted(values)
 
 
+SAMPLE_MEMORY_SHARE = 4  # one batch of synthetic samples may take at most 1/4 of the available memory
+
+
+def check_sample_fits(sample_bytes: int, batch: int) -> None:
+    """Refuse --sample-bytes whose batch cannot be held: `--sample-bytes 100G` failed every measurement
+    with a bare MemoryError. A batch is built in a worker and copied to the main process, and
+    prefetching holds more: a quarter of the available memory for one batch leaves room for them."""
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.units import format_bytes
+
+    try:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    except (ImportError, OSError):
+        return
+    need = sample_bytes * max(1, batch)
+    if need * SAMPLE_MEMORY_SHARE > available:
+        raise UserError(
+            f"--sample-bytes {format_bytes(sample_bytes)}: a batch of {batch} such samples is "
+            f"{format_bytes(need)}; at most a quarter of the {format_bytes(available)} available is used "
+            "for one batch"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from ciuic_doctor.errors import ProbeFailed, UserError
     from ciuic_doctor.jobs.spec import load_spec
@@ -152,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
     if synthetic and sample_bytes < 1:
         raise UserError("--sample-bytes must be at least 1 byte")
     spec = load_spec(args.spec)
+    if synthetic:
+        check_sample_fits(sample_bytes, spec.batch.per_process)
     workers = parse_int_list(args.workers, "--workers", 0, max_workers()) if args.workers else None
     prefetch = parse_int_list(args.prefetch, "--prefetch", 1, 1024)
     env_lws = os.environ.get("LOCAL_WORLD_SIZE", "")

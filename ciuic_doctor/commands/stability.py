@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         from ciuic_doctor.rundir.store import RunDir
 
         out = RunDir.create(args.out)
+        _refuse_a_recorded_run(out, args.paths)
         wrote_steps = write_run(out, log, args.paths)
         write_findings(out, findings)
     if args.json:
@@ -102,3 +103,22 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(f"\nfindings merged into {args.out}/findings.json")
     return 1 if overall_verdict(findings) == "fail" else 0
+
+
+def _refuse_a_recorded_run(out, paths: list[str]) -> None:  # out: RunDir
+    """A log imported into a run that holds a recorded job's own steps: its findings would sit in
+    findings.json only until the next `analyze` or `report --reanalyze`, which judges the job's steps
+    and drops them. One line, exit 2, nothing written. (RUN's own steps, `stability RUN --out RUN`, are
+    judged and merged as before.)"""
+    from pathlib import Path
+
+    from ciuic_doctor.errors import UserError
+    from ciuic_doctor.importers._run import STREAM, is_import
+
+    if out.path.resolve() in {Path(p).resolve() for p in paths}:
+        return
+    if out.has_stream(STREAM) and not is_import(out):
+        raise UserError(
+            f"--out {out.path}: holds a recorded job's own steps; an imported log's findings there would "
+            "be replaced by the job's at the next analyze or report --reanalyze: give another --out"
+        )

@@ -71,6 +71,10 @@ def open_job(pid: int | None, run: str | None, interval_s: float = 1.0):  # -> l
         raise UserError(
             "give a running job's PID (--pid PID) or its watched run directory (RUN), one of them"
         )
+    if pid is not None:
+        from ciuic_doctor.probes.memwatch.tree import attach
+
+        attach(pid)  # this command itself, init's tree, a process that is gone: one line, exit 2
     run_dir = None
     if run is not None:
         run_dir = Path(run)

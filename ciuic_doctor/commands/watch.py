@@ -22,10 +22,12 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
 from ciuic_doctor.cluster import NODE_ENV, node_identity
+from ciuic_doctor.errors import UserError
 
 NAME = "watch"
 HELP = "run a training script unchanged and record every optimizer step (loss, lr, grad norm, memory)"
@@ -185,6 +187,11 @@ def run(args: argparse.Namespace) -> int:
             **_rerun_fields(args, argv),
         },
     )
+    try:
+        refuse_planted(session.run.path, session.rank or 0)
+    except UserError:
+        session.close()
+        raise
     if session.rank == 0 and not args.child:  # verify re-runs it without asking only when signed
         _sign(session.run, args, argv)
     if session.rank == 0 and not args.child:  # records the end a fatal signal or SIGKILL leaves unsaid
@@ -261,6 +268,38 @@ def _sign(run: Any, args: argparse.Namespace, argv: list[str]) -> None:
     sig = trust.signature("watch", _rerun_fields(args, argv))
     if sig is not None:
         run.update_meta(signatures={"watch": sig})
+
+
+def refuse_planted(run: Path, rank: int) -> None:
+    """Refuse, before the script starts, a run directory where a file this rank writes is a symlink, a
+    FIFO or a device (or a folder where a record file belongs).
+
+    Such a file is never written through; found only when first written, a planted
+    `hang.rank0.last.json` ended watch in a traceback before the script ran, and a planted steps stream
+    stopped the recording at the first step, then said "no optimizer step was seen"."""
+    import stat
+
+    mine = f".rank{rank}."
+    try:
+        names = sorted(os.listdir(run))
+    except OSError:
+        return
+    for name in names:
+        if mine not in name and name != "hang.fr":
+            continue
+        try:
+            mode = os.lstat(run / name).st_mode
+        except OSError:
+            continue
+        record_file = name.endswith((".json", ".jsonl", ".txt"))
+        if stat.S_ISREG(mode) or (stat.S_ISDIR(mode) and not record_file):
+            continue
+        from ciuic_doctor.rundir.safe_io import kind_of
+
+        raise UserError(
+            f"{run / name} is {kind_of(mode)}, and watch writes there only to a regular file of its "
+            "own: remove it, or record into another --out"
+        )
 
 
 def _report(

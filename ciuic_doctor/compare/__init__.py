@@ -96,7 +96,9 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         summary = str(f.get("summary", ""))
         summary = summary[len(prefix) :] if summary.startswith(prefix) else summary
         lines.append(f"  {str(f.get('verdict')).replace('_', ' '):8s} {f.get('check', ''):14s} {summary}")
-    judged = sum(1 for f in findings if f.get("verdict") != "not_run")
+    judged = sum(
+        1 for f in findings if f.get("verdict") != "not_run" and f.get("check") != "records_readable"
+    )
     lines.append(
         f"{judged} checks compared, each at 5 % (rows within a check Holm-corrected): a check whose change "
         "is only noise is still called significant once in 20. The intervals hold each run's own noise; "
@@ -132,6 +134,19 @@ def _observed_global_batch(meta: dict[str, Any]) -> int | None:
     accum = accum if isinstance(accum, int) and accum > 0 else 1
     world = world if isinstance(world, int) and world > 0 else 1
     return per_process * accum * world
+
+
+def _unreadable(run: RunDir, name: str) -> list[Finding]:
+    """What a run's readers skipped (a stream that is a folder, torn or off-schema lines), as analyze
+    says it: the comparison judged the rest, and must say so."""
+    from ciuic_doctor.analysis import records_finding
+
+    found = records_finding(run)
+    if found is None:
+        return []
+    found.probe = "compare"
+    found.summary = f"run {name} ({run.path}): {found.summary}"
+    return [found]
 
 
 def compare_runs(run_a: RunDir, run_b: RunDir) -> Comparison:
@@ -181,6 +196,7 @@ def compare_runs(run_a: RunDir, run_b: RunDir) -> Comparison:
                     summary=f"{what}: not compared (not measured in both runs)",
                 )
             )
+    result.findings += _unreadable(run_a, "A") + _unreadable(run_b, "B")
     if not (data_a["steps"] and data_b["steps"]):
         result.findings.insert(
             0,

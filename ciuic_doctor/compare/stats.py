@@ -127,6 +127,10 @@ def _log_level_replicates(
     return reps[np.isfinite(reps)], block
 
 
+MIN_LEVEL, MAX_LEVEL = 1e-12, 1e18  # a picosecond of step time up to an exabyte of memory
+MAX_LOG_RATIO = math.log(1e9)  # a change a billion-fold is a mix-up of runs or units, not a change
+
+
 def ratio_of_means(
     a: Sequence[float] | np.ndarray,
     b: Sequence[float] | np.ndarray,
@@ -149,6 +153,19 @@ def ratio_of_means(
     level_a, level_b = float(level(xa)), float(level(xb))
     if not (level_a > 0 and level_b > 0):
         raise ValueError("a ratio needs positive levels in both runs")
+    # A level that is subnormal or infinite is no measurement, and its ratio under- or overflows (a step
+    # time of 5e-324 s made the ratio 0 and the log a "math domain error"): say which run's level it is.
+    for name, value in (("A", level_a), ("B", level_b)):
+        if not MIN_LEVEL <= value <= MAX_LEVEL:
+            raise ValueError(
+                f"run {name}'s level {value:.3g} is not a measurement "
+                f"(outside {MIN_LEVEL:g} to {MAX_LEVEL:g})"
+            )
+    if abs(math.log(level_b) - math.log(level_a)) > MAX_LOG_RATIO:
+        raise ValueError(
+            f"the two levels {level_a:.3g} and {level_b:.3g} are {math.e**MAX_LOG_RATIO:.0g} or more "
+            "apart: not one job's measurements"
+        )
     rng = np.random.default_rng(seed)
     ra, block_a = _log_level_replicates(xa, level, rng, blocks=blocks)
     rb, block_b = _log_level_replicates(xb, level, rng, blocks=blocks)

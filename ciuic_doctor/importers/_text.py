@@ -24,6 +24,10 @@ MAX_WORKERS = 8
 # (`[rank3]: `, `[default3]:`), srun --label / pdsh (`3: `).
 RANK_PREFIX = r"(?:\[(?:rank|default|RANK)\s*(\d+)\]:[ \t]?|(\d{1,5}):[ \t]+)?"
 TIMESTAMP = r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?"
+# A line's leading blanks and launcher prefix, matched once (an atomic group): three adjacent blank runs
+# that may share a line's blanks otherwise split a line of N blanks O(N^2) ways before each of the N
+# positions a lazy `[^\n]*?` then tries, and a 2,000-blank line took over 100 s (time ~ N^3).
+LINE_HEAD = r"(?>[ \t]*" + RANK_PREFIX + r"[ \t]*)"
 
 
 def byte_chunks(path: Path, start: int = 0, end: int | None = None) -> Iterator[bytes]:
@@ -139,7 +143,7 @@ def line_format(
     (groups `loss` and, where the line has one, `step`); `loss_kind` says whether a row's loss is one step's
     ("sample") or the mean over the logging interval ("mean"); with `eval_as_loss`, a log that prints no
     training loss at all is judged on its eval loss (the one loss curve it has), and a note says so."""
-    head = r"^[ \t]*" + RANK_PREFIX + r"[ \t]*"
+    head = r"^" + LINE_HEAD
     line = re.compile(head + pattern, re.M)
     evals = re.compile(head + eval_pattern, re.M) if eval_pattern else None
 

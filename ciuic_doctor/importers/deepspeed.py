@@ -49,11 +49,11 @@ from ciuic_doctor.importers._config import (
     precision,
     scaler_config,
 )
-from ciuic_doctor.importers._text import RANK_PREFIX, TIMESTAMP, count_lines, text_chunks
+from ciuic_doctor.importers._text import LINE_HEAD, TIMESTAMP, count_lines, text_chunks
 
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _LINE = re.compile(
-    r"^[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(?P<ts>" + TIMESTAMP + r")\])?[^\n]*?(?:"
+    r"^" + LINE_HEAD + r"(?:\[(?P<ts>" + TIMESTAMP + r")\])?[^\n]*?(?:"
     r"(?P<ovf>(?:OVERFLOW!|overflow!|Overflow detected\.)(?: Rank (?P<orank>\d+))? Skipping step\.?"
     r"(?: Attempted loss scale: (?P<attempted>" + _NUM + r"),? (?:reducing to (?P<reduced>" + _NUM + r")"
     r"|but hysteresis is (?P<hyst>\d+)\. Reducing hysteresis to \d+))?)"

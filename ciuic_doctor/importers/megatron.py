@@ -31,7 +31,7 @@ from pathlib import Path
 from ciuic_doctor.importers import SNIFF_BYTES, StepLog, intervals, normalize
 from ciuic_doctor.importers._config import head_text, megatron_settings, precision, scaler_config
 from ciuic_doctor.importers._text import (
-    RANK_PREFIX,
+    LINE_HEAD,
     TIMESTAMP,
     count_lines,
     map_ranges,
@@ -44,7 +44,7 @@ _SKIP = r"(?:[^|\n]*\|)*?"  # any fields in between, lazily
 # Lines are found by their leading newline (a literal the regex engine searches for quickly; `^` with
 # re.M would be tried at every character), so each chunk is matched with a "\n" put in front.
 _LINE = re.compile(
-    r"\n[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?"
+    r"\n" + LINE_HEAD + r"(?:\[(" + TIMESTAMP + r")\][ \t]*)?"
     r"[^\n|]*?\biteration\s+(\d+)\s*/\s*\d+\s*\|"
     + _SKIP + r" learning rate: ([^ |\n]+) \|"
     + r"(?:" + _SKIP + r" lm[ -]loss: ([^ |\n]+) \|)?"
@@ -62,7 +62,7 @@ _VOCAB = re.compile(
 )
 _COLUMNS = ["rank_a", "rank_b", "ts", "step", "lr", "loss", "loss_scale", "grad_norm", "skipped", "nan"]
 _SLOW_HEAD = re.compile(
-    r"^[ \t]*" + RANK_PREFIX + r"[ \t]*(?:\[(" + TIMESTAMP + r")\][ \t]*)?[^\n|]*?\biteration\s+(\d+)\s*/"
+    r"^" + LINE_HEAD + r"(?:\[(" + TIMESTAMP + r")\][ \t]*)?[^\n|]*?\biteration\s+(\d+)\s*/"
 )
 _FIELD_NAMES = {
     "learning rate": "lr",

@@ -17,8 +17,10 @@ persistent_workers the job spec names. loader-sweep imports `dataset_from_spec` 
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.context
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -112,6 +114,52 @@ def worker_context(method: str) -> multiprocessing.context.BaseContext:
     return context
 
 
+RANK_POLL_S = 1.0  # where there is no pidfd (not Linux, or a kernel before 5.3): how often to look
+
+
+def die_with_rank(rank_pid: int, worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`: end this worker when rank `rank_pid` ends, even by SIGKILL.
+
+    torch's own check in each worker watches the worker's parent, which under forkserver is the
+    forkserver; and the forkserver lives while any worker holds its "alive" pipe, which every worker
+    does. So after kill -9 of a rank under torchrun (which ends only the process groups of ranks still
+    alive) its forkserver, its workers and the resource tracker they keep open lived on for good. A
+    worker watching the rank itself ends; then the forkserver reads EOF and ends, and so does the
+    tracker. `job --nproc` reaps them as a subreaper too, but torchrun does not."""
+    import threading
+
+    try:
+        handle: int | None = os.pidfd_open(rank_pid)  # safe against the pid's reuse once it ends
+    except ProcessLookupError:
+        os._exit(1)  # the rank ended before this worker started
+    except (AttributeError, OSError):
+        handle = None
+
+    def wait_for_rank() -> None:
+        if handle is not None:
+            import select
+
+            select.select([handle], [], [])
+        else:
+            import time
+
+            while _is_alive(rank_pid):
+                time.sleep(RANK_POLL_S)
+        os._exit(1)  # no clean-up to do: the rank that consumed this worker's batches is gone
+
+    threading.Thread(target=wait_for_rank, name="ciuic-watch-rank", daemon=True).start()
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def make_loader(
     spec: JobSpec, rank: int, world: int, *, dataset: Dataset | None = None
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
@@ -140,6 +188,7 @@ def make_loader(
         drop_last=True,
         generator=generator,
         multiprocessing_context=worker_context(cfg.multiprocessing_context) if workers > 0 else None,
+        worker_init_fn=functools.partial(die_with_rank, os.getpid()) if workers > 0 else None,
     )
     return loader, sampler
 

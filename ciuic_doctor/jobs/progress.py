@@ -206,8 +206,15 @@ class JobProgress:
     def close(self) -> None:
         failure = {"message": self._failure} if self._failure else {}
         if not self._finished and (self.lead or failure) and self.run is not None:
-            self.run.record_probe("job", status="failed", **failure)  # the records up to here stay
-            self._watch_ended("failed")
+            # closing while Ctrl-C propagates (close runs in the trainer's finally) is an interruption,
+            # as README's statuses say, not a failure
+            status = (
+                "interrupted"
+                if isinstance(sys.exc_info()[1], KeyboardInterrupt) and not failure
+                else "failed"
+            )
+            self.run.record_probe("job", status=status, **failure)  # the records up to here stay
+            self._watch_ended(status)
         if self.session is not None:
             self.session.close()
             self.session = None

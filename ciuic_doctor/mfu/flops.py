@@ -48,7 +48,17 @@ CONVENTION_NOTES = {
 
 
 class ConfigError(ValueError):
-    """The config lacks what a FLOPs count needs (one line naming the field)."""
+    """The config lacks what a FLOPs count needs, or a size no model has (one line naming the field)."""
+
+
+# Sizes a config may give, checked before anything is counted or built: a config is data from a run
+# directory, and `num_hidden_layers: 1e9` made a billion-entry layer list (analyze ran past 90 s) while
+# `hidden_size: 10**200` overflowed a float. The largest published models are far inside these bounds
+# (DeepSeek-V3: 61 layers, hidden 7,168, vocab 129,280, 256 experts; Llama 3.1 405B: 126 layers, hidden
+# 16,384; contexts up to 10 M tokens).
+MAX_LAYERS = 10_000
+MAX_SIZE = 1 << 24  # hidden, heads, head dims, ranks, vocabulary, experts, intermediate sizes
+MAX_SEQ_LEN = 1 << 30
 
 
 @dataclass(kw_only=True)
@@ -186,8 +196,14 @@ def flops_per_token(config: Mapping[str, Any], *, seq_len: int, mtp_layers: int 
     `mtp_layers`: the MTP modules the training actually runs (None: the config's num_nextn_predict_layers;
     transformers' DeepseekV3ForCausalLM builds none, so watch passes 0 for it).
     """
-    if seq_len < 1:
-        raise ConfigError(f"seq_len must be at least 1, not {seq_len}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= MAX_SEQ_LEN:
+        raise ConfigError(f"seq_len must be a whole number from 1 to {MAX_SEQ_LEN:,}, not {seq_len!r}")
+    if mtp_layers is not None and (
+        isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or not 0 <= mtp_layers <= MAX_LAYERS
+    ):
+        raise ConfigError(
+            f"the MTP layers run must be a whole number from 0 to {MAX_LAYERS:,}, not {mtp_layers!r}"
+        )
     shape = shape_from_config(config, mtp_layers=mtp_layers)
     return _count(shape, seq_len)
 
@@ -259,10 +275,11 @@ def _get(config: Mapping[str, Any], *names: str, default: Any = ...) -> Any:
     return default
 
 
-def _int(config: Mapping[str, Any], *names: str, default: Any = ...) -> int:
+def _int(config: Mapping[str, Any], *names: str, default: Any = ..., maximum: int = MAX_SIZE) -> int:
     value = _get(config, *names, default=default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ConfigError(f"{names[0]} must be a whole number >= 0, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= maximum:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ConfigError(f"{names[0]} must be a whole number from 0 to {maximum:,}, not {shown}")
     return int(value)
 
 
@@ -270,12 +287,13 @@ def _moe_pattern(config: Mapping[str, Any], layers: int) -> list[bool]:
     """Which layers have an MoE MLP: DeepSeek's first_k_dense_replace + moe_layer_freq, Qwen-MoE's
     decoder_sparse_step + mlp_only_layers, Mixtral's every layer."""
     if config.get("first_k_dense_replace") is not None or config.get("n_routed_experts") is not None:
-        first = _int(config, "first_k_dense_replace", default=0)
-        freq = _int(config, "moe_layer_freq", default=1) or 1
+        first = _int(config, "first_k_dense_replace", default=0, maximum=MAX_LAYERS)
+        freq = _int(config, "moe_layer_freq", default=1, maximum=MAX_LAYERS) or 1
         return [i >= first and i % freq == 0 for i in range(layers)]
     if config.get("decoder_sparse_step") is not None or config.get("mlp_only_layers") is not None:
-        step = _int(config, "decoder_sparse_step", default=1) or 1
-        only = set(config.get("mlp_only_layers") or [])
+        step = _int(config, "decoder_sparse_step", default=1, maximum=MAX_LAYERS) or 1
+        listed = config.get("mlp_only_layers")
+        only = set(listed) if isinstance(listed, list) and len(listed) <= MAX_LAYERS else set()
         return [i not in only and (i + 1) % step == 0 for i in range(layers)]
     return [True] * layers
 
@@ -283,7 +301,7 @@ def _moe_pattern(config: Mapping[str, Any], layers: int) -> list[bool]:
 def shape_from_config(config: Mapping[str, Any], *, mtp_layers: int | None = None) -> ModelShape:
     """A ModelShape from HF config fields: DeepSeek-V2/V3 (MLA + MoE), Mixtral, Qwen2/3-MoE, Llama-style."""
     d = _int(config, "hidden_size", "d_model", "n_embd")
-    layers = _int(config, "num_hidden_layers", "n_layer", "num_layers")
+    layers = _int(config, "num_hidden_layers", "n_layer", "num_layers", maximum=MAX_LAYERS)
     heads = _int(config, "num_attention_heads", "n_head")
     if not (d and layers and heads):
         raise ConfigError("hidden_size, num_hidden_layers and num_attention_heads must be positive")
@@ -293,12 +311,12 @@ def shape_from_config(config: Mapping[str, Any], *, mtp_layers: int | None = Non
     top_k = _int(config, "num_experts_per_tok", "moe_topk", "top_k", default=0) if experts else 0
     pattern = _moe_pattern(config, layers) if experts and top_k else [False] * layers
     moe_layers = sum(pattern)
-    kv_lora = config.get("kv_lora_rank")
+    kv_lora = _int(config, "kv_lora_rank", default=0)
     if kv_lora:  # MLA
         rope = _int(config, "qk_rope_head_dim")
         qk = _int(config, "qk_nope_head_dim") + rope
         v = _int(config, "v_head_dim")
-        q_lora = config.get("q_lora_rank") or None
+        q_lora = _int(config, "q_lora_rank", default=0) or None
     else:
         rope, q_lora = 0, None
         qk = v = _int(config, "head_dim", default=d // heads) or d // heads
@@ -313,7 +331,7 @@ def shape_from_config(config: Mapping[str, Any], *, mtp_layers: int | None = Non
     else:
         moe_ffn = shared = 0
     if mtp_layers is None:
-        mtp_layers = _int(config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
+        mtp_layers = _int(config, "num_nextn_predict_layers", "num_mtp_layers", default=0, maximum=MAX_LAYERS)
     return ModelShape(
         vocab_size=vocab,
         hidden_size=d,

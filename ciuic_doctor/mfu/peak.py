@@ -26,6 +26,7 @@ A device this table does not know gets no MFU (not_run, with the reason); `--pea
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -79,6 +80,9 @@ def device_key(name: str) -> str | None:
 def peak_tflops(device_name: str | None, dtype: str = "bf16", *, given: float | None = None) -> Peak:
     """The dense peak of `device_name` for `dtype`, or `given` (the user's --peak-tflops) when set."""
     kind = DTYPE_ALIASES.get(dtype.lower(), "bf16")
+    if given is not None and not (math.isfinite(given) and given > 0):
+        return Peak(tflops=None, device=device_name, dtype=kind, source="--peak-tflops",
+                    reason=f"the recorded peak {given!r} TFLOP/s is not a positive number")  # fmt: skip
     if given is not None:
         return Peak(tflops=float(given), device=device_name, dtype=kind, source="--peak-tflops")
     if not device_name:

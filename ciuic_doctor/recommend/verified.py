@@ -171,4 +171,38 @@ def load(run: Any) -> dict[str, Any] | None:
         data = run.read_json(VERIFICATION_FILE)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    for key in ("budget_s", "rounds", "warmup_steps", "steps_per_run"):  # figures the report formats
+        if key in data and not _number(data[key]):
+            data.pop(key)
+    cands = data.get("candidates")
+    data["candidates"] = (
+        [_figures_checked(c) for c in cands if isinstance(c, dict)] if isinstance(cands, list) else []
+    )
+    return data
+
+
+_INTERVAL = ("ratio", "ci_low", "ci_high")
+
+
+def _figures_checked(cand: dict[str, Any]) -> dict[str, Any]:
+    """A candidate whose interval is three finite positive numbers, or has none: the file is data (a
+    planted `"ci_high": null` crashed the report), and a partial interval is no interval."""
+
+    whole = all(_number(cand.get(k)) and cand[k] > 0 for k in _INTERVAL)
+    out = {**cand, **({} if whole else dict.fromkeys(_INTERVAL))}
+    if out.get("rounds") is not None and not (_number(out["rounds"]) and out["rounds"] >= 0):
+        out["rounds"] = None
+    return out
+
+
+def _number(value: Any) -> bool:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past 1.8e308
+        return False

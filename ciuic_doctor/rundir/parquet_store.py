@@ -31,6 +31,11 @@ from pathlib import Path
 from typing import Any
 
 KEYS_COLUMN = "_keys"
+REST_COLUMN = "_rest"  # per record, as one JSON object, the keys past MAX_COLUMNS
+# Columns a copy holds: the most frequent keys. Every distinct key a column made the copy cost
+# columns x records (2,000 records of 50 keys each, all distinct: 100,000 columns, past 60 s); the
+# streams' own schemas have under 60 fields.
+MAX_COLUMNS = 512
 KEY_SEPARATOR = "\x1f"  # ASCII unit separator: cannot appear unescaped in a JSON key we write
 SOURCE_KEY = b"ciuic.source"
 JSON_COLUMNS_KEY = b"ciuic.json_columns"
@@ -110,15 +115,24 @@ def _kind(value: Any) -> str:
 def _table(records: list[dict[str, Any]]):  # -> (pyarrow.Table, json column names)
     import pyarrow as pa
 
-    names: dict[str, None] = {}
+    counts: dict[str, int] = {}
     for record in records:
-        names.update(dict.fromkeys(record))
-    if any(KEY_SEPARATOR in name for name in names):  # it would split one key into two on the way back
+        for key in record:
+            counts[key] = counts.get(key, 0) + 1
+    if any(KEY_SEPARATOR in name for name in counts):  # it would split one key into two on the way back
         raise ValueError("a record has a key holding U+001F: cannot compact it losslessly")
+    names = dict.fromkeys(counts)
+    rest: set[str] = set()
+    if len(names) > MAX_COLUMNS:
+        kept = set(sorted(names, key=lambda n: -counts[n])[:MAX_COLUMNS])
+        rest = {n for n in names if n not in kept}
+        names = {n: None for n in names if n in kept}
+        if REST_COLUMN in counts:
+            raise ValueError(f"a record has a field named {REST_COLUMN!r}: cannot compact it losslessly")
     kinds: dict[str, set[str]] = {name: set() for name in names}
     for record in records:
         for key, value in record.items():
-            if value is not None:
+            if value is not None and key in kinds:
                 kinds[key].add(_kind(value))
     arrow = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "string": pa.string()}
     columns: dict[str, Any] = {
@@ -135,6 +149,9 @@ def _table(records: list[dict[str, Any]]):  # -> (pyarrow.Table, json column nam
             columns[name] = pa.array(
                 [None if v is None else json.dumps(v, separators=(",", ":")) for v in values], pa.string()
             )
+    if rest:
+        extra = [{k: v for k, v in r.items() if k in rest} for r in records]
+        columns[REST_COLUMN] = pa.array([json.dumps(e, separators=(",", ":")) if e else None for e in extra])
     if KEYS_COLUMN in names:
         raise ValueError(f"a record has a field named {KEYS_COLUMN!r}: cannot compact it losslessly")
     return pa.table(columns), as_json
@@ -149,10 +166,15 @@ def parquet_records(path: Path) -> list[dict[str, Any]]:
     table = parquet.read()
     columns = {name: table.column(name).to_pylist() for name in table.column_names}
     keys = columns.pop(KEYS_COLUMN)
+    rest = columns.pop(REST_COLUMN, None)
     out = []
     for i, joined in enumerate(keys):
         record = {}
+        extra = json.loads(rest[i]) if rest is not None and rest[i] is not None else {}
         for key in joined.split(KEY_SEPARATOR) if joined else []:
+            if key in extra:
+                record[key] = extra[key]
+                continue
             value = columns[key][i]
             record[key] = json.loads(value) if key in json_columns and value is not None else value
         out.append(record)

@@ -27,6 +27,11 @@ from ciuic_doctor.rundir.store import RunDir
 
 MAX_LAYERS = 8  # the most uneven layers measured (a 61-layer model would take minutes)
 DEFAULT_HIDDEN = 7168  # DeepSeek-V3's hidden size, when the run recorded no model config
+# What a recorded run may ask for, checked before any rank allocates: the records are data from a run
+# directory, and 10^6 experts asked for 28 GB, hidden_size 10^12 for 240 TB. Published MoE models stay
+# far inside (DeepSeek-V3: 256 routed experts, hidden 7,168).
+MAX_EXPERTS = 1 << 16
+MAX_HIDDEN = 1 << 20
 
 
 @dataclass(kw_only=True)
@@ -66,8 +71,25 @@ def plan_from_run(path: str | Path, world: int, *, max_layers: int = MAX_LAYERS)
             f"--splits-from {path}: no MoE routing recorded there (moe.rank<R>.jsonl); record it with "
             "ciuic-doctor watch or job on an MoE model"
         )
-    hidden_size, source = token_size(run.read_meta().get("model"))
-    found = plans(records, world, hidden_size=hidden_size, max_layers=max_layers)
+    model = run.read_meta().get("model")
+    config = model.get("config") if isinstance(model, dict) else None
+    recorded = config.get("hidden_size") if isinstance(config, dict) else None
+    hidden_size, source = token_size(model)
+    if recorded is not None:  # a recorded width that is no width is refused, never replaced by a guess
+        hidden_size = recorded
+    if (
+        isinstance(hidden_size, bool)
+        or not isinstance(hidden_size, int)
+        or not 1 <= hidden_size <= MAX_HIDDEN
+    ):
+        raise UserError(
+            f"--splits-from {path}: meta.json's model hidden_size must be a whole number from 1 to "
+            f"{MAX_HIDDEN:,}, not {_short(hidden_size)}"
+        )
+    try:
+        found = plans(records, world, hidden_size=hidden_size, max_layers=max_layers)
+    except ValueError as exc:
+        raise UserError(f"--splits-from {path}: {exc}") from None
     for plan in found:
         plan.hidden_source = source
     return found
@@ -95,6 +117,25 @@ def token_size(model: Any) -> tuple[int, str]:
     return DEFAULT_HIDDEN, f"assumed DeepSeek-V3's hidden size {DEFAULT_HIDDEN}: {why}"
 
 
+def bytes_per_rank(layers: list[SplitPlan], elem_bytes: int) -> int:
+    """The most memory one rank's all_to_all buffers take over `layers` (both modes): its send buffer,
+    its receive buffer and the float32 copy the check makes of what it received."""
+    need = 0
+    for plan in layers:
+        for matrix in (plan.routed, plan.even):
+            world = len(matrix)
+            for rank in range(world):
+                send = sum(matrix[rank])
+                recv = sum(matrix[s][rank] for s in range(world))
+                need = max(need, send * elem_bytes + recv * (elem_bytes + 4))
+    return need
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
 def plans(
     records: list[dict[str, Any]], world: int, *, hidden_size: int, max_layers: int = MAX_LAYERS
 ) -> list[SplitPlan]:
@@ -105,6 +146,7 @@ def plans(
     >>> p = plans(recs, 2, hidden_size=1)[0]
     >>> p.routed, p.even
     ([[8, 0], [4, 4]], [[4, 4], [4, 4]])
+    Raises ValueError on counts no router produces (negative, not finite) or more than MAX_EXPERTS.
     """
     sums: dict[int, dict[int, list[float]]] = {}
     samples: dict[tuple[int, int], int] = {}
@@ -118,11 +160,24 @@ def plans(
             or not counts
         ):
             continue
+        if len(counts) > MAX_EXPERTS:
+            raise ValueError(
+                f"layer {layer} records {len(counts):,} experts; at most {MAX_EXPERTS:,} are measured"
+            )
         acc = sums.setdefault(layer, {}).setdefault(rank, [0.0] * len(counts))
         if len(acc) != len(counts):
             continue
         for i, c in enumerate(counts):
-            acc[i] += float(c) if isinstance(c, int | float) else 0.0
+            try:
+                value = float(c) if isinstance(c, int | float) and not isinstance(c, bool) else 0.0
+            except OverflowError:  # an int past 1.8e308
+                value = math.inf
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"layer {layer} rank {rank} records {_short(c)} tokens for expert {i} "
+                    "(a count is 0 or more)"
+                )
+            acc[i] += value
         samples[layer, rank] = samples.get((layer, rank), 0) + 1
         names.setdefault(layer, str(r.get("name") or f"layer {layer}"))
     out = []

@@ -31,7 +31,7 @@ from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach
 from ciuic_doctor.probes.watch.hang.where import process_state
 from ciuic_doctor.rundir import safe_io
 from ciuic_doctor.rundir.hang import flight_recorder as fr_dump
-from ciuic_doctor.rundir.hang.files import fr_status_of, py_spy_stacks
+from ciuic_doctor.rundir.hang.files import fr_status_of, py_spy_binary, py_spy_stacks
 from ciuic_doctor.rundir.store import RunDir, default_run_path
 
 _FATAL = re.compile(r"hang\.rank(\d+)\.fatal\.txt$")
@@ -69,6 +69,11 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
         RunDir.create(out)
     ranks = find_ranks(pid)
     watched = {rank: run for rank, proc in ranks.items() if (run := watched_run(proc)) is not None}
+    if out is not None:
+        _refuse_other_run(Path(out), pid, set(watched.values()))
+    if not watched and py_spy_binary() is None:  # nothing is written for a look that cannot be taken
+        raise UserError("py-spy is not installed (pip install 'ciuic-doctor[hang]'); it reads the stacks of "
+                        "ranks that watch does not record")  # fmt: skip
     run = RunDir.create(out or next(iter(watched.values()), None) or default_run_path("hang"))
     asked = time.time()
     for rank in watched:
@@ -124,6 +129,32 @@ def gather(pid: int, *, out: str | None, wait_s: float) -> RunDir:
     if refused and len(refused) == len(ranks) and not answered:
         raise UserError(refused[0])
     return run
+
+
+def _refuse_other_run(out: Path, pid: int, watched_runs: set[Path]) -> None:
+    """--out that already holds another run's records (not the run this job's watched ranks write) is
+    refused before anything is written: the stacks of the job at `pid` would sit among another job's
+    steps and meta.json, and `hang RUN` would judge them as that job's."""
+    if not out.is_dir() or out.resolve() in {p.resolve() for p in watched_runs}:
+        return
+    with contextlib.suppress(OSError, ValueError):  # an earlier look at this same job: looked at again
+        earlier = safe_io.read_json(out / "hang.pyspy.json", max_bytes=16 << 20)
+        if isinstance(earlier, dict) and earlier.get("pid") == pid:
+            return
+    held = sorted(
+        (
+            name
+            for name in os.listdir(out)
+            if name == "meta.json" or name.endswith(".jsonl") or name.startswith("hang.")
+        ),
+        key=lambda name: (name != "meta.json", name),
+    )
+    if held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UserError(
+            f"--out {out}: holds another run ({shown}), not the one the job at PID {pid} writes; "
+            "choose a new or empty folder"
+        )
 
 
 def _kernel_look(entry: dict[str, Any], pid: int, why: str) -> None:

@@ -44,13 +44,23 @@ class Role:
     rank_source: str  # env | cmdline | order | root | parent
 
 
+_PYTHON = re.compile(r"python|torchrun")
+
+
 def attach(pid: int) -> psutil.Process:
     """The target process, or a UserError that says in one line why it cannot be watched."""
     if pid == os.getpid():
-        raise UserError(f"PID {pid} is memwatch itself")
+        raise UserError(f"PID {pid} is this ciuic-doctor process itself, not a training job")
     try:
         proc = psutil.Process(pid)
         name = proc.name()
+        if pid == 1 and not _PYTHON.search(" ".join([name, *_cmdline(proc)[:2]])):
+            # every process descends from init: its tree is the whole machine, not a job. A container
+            # whose entrypoint is torchrun or python has the job at PID 1, and that one is watched.
+            raise UserError(
+                f"PID 1 ({name}) is the system's init process, not a training job: give the torchrun "
+                "agent's PID or a rank's"
+            )
         if proc.status() == psutil.STATUS_ZOMBIE:
             raise UserError(
                 f"PID {pid} ({name}) has already exited (a zombie waiting for parent PID {proc.ppid()} "
@@ -67,6 +77,12 @@ def attach(pid: int) -> psutil.Process:
             "run it as that user or as root"
         ) from None
     return proc
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.Error):
+        return proc.cmdline()
+    return []
 
 
 def owner_of(pid: int) -> str:

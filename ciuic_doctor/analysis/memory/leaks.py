@@ -18,6 +18,7 @@ from ciuic_doctor.analysis.memory.data import (
     MIB,
     MIN_POINTS,
     PROBE,
+    WARMUP_STEPS,
     Series,
     _Data,
     _grows,
@@ -284,6 +285,17 @@ def _one_leak_finding(kind: str, per_rank: list[Finding]) -> Finding:
     )
 
 
+def _steps_made(data: _Data, rank: int) -> int | None:
+    """Optimizer steps rank `rank` recorded; None when the run has no steps stream for it (memwatch on
+    a job it knows nothing else of: then time alone is judged)."""
+    if rank not in data.steps:
+        return None
+    import numpy as np
+
+    steps = data.steps.column(rank, "step")
+    return len(np.unique(steps[np.isfinite(steps)]))
+
+
 def _leak_finding(
     data: _Data,
     *,
@@ -326,6 +338,16 @@ def _leak_finding(
             f"rank {rank} {kind} memory grew {trend.slope / MIB:.3f} MiB/step over only {observed:.0f} "
             f"steady steps; a leak is judged over at least {LEAK_MIN_SPAN_STEPS} (the allocator and page "
             "cache still grow that early), so run more steps to tell",
+            where=where,
+            **evidence,
+        )
+    made = _steps_made(data, rank) if unit != "step" else None
+    if _grows(trend, LEAK_MIN_BYTES) and made is not None and made < LEAK_MIN_SPAN_STEPS + WARMUP_STEPS:
+        return _not_run(  # sampled in time, but the job's own steps say how far past start-up it got
+            "memory_leak",
+            f"rank {rank} {kind} memory grew {trend.slope / MIB:.3f} MiB/s while the job made only {made} "
+            f"step(s); a leak is judged over at least {LEAK_MIN_SPAN_STEPS} steady steps (start-up grows "
+            "memory), so run more steps to tell",
             where=where,
             **evidence,
         )

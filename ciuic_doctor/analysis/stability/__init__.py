@@ -83,6 +83,15 @@ def analyze_log(log: StepLog, *, clip_max_norm: float | None = None) -> list[Fin
 def _judge(
     curve: Curve, log: StepLog, clip_max_norm: float | None, adversarial: bool = False
 ) -> list[Finding]:
+    import numpy as np
+
+    # Values near the float range (a 1.7e308 loss) overflow to inf in a mean or a difference, which the
+    # checks read as non-finite; numpy's RuntimeWarning for each reached the user as noise.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _judge_curve(curve, log, clip_max_norm, adversarial)
+
+
+def _judge_curve(curve: Curve, log: StepLog, clip_max_norm: float | None, adversarial: bool) -> list[Finding]:
     from dataclasses import replace
 
     import numpy as np

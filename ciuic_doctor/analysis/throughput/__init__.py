@@ -33,6 +33,7 @@ from ciuic_doctor.rundir.store import RunDir, as_float
 STREAMS = ("steps",)
 PROBE = "throughput"
 WARMUP_STEPS = 2
+MFU_MAX = 1.0  # the peak is the dense matmul ceiling: a figure above it means an input is wrong
 GOODPUT_MIN_STEPS = 10  # fewer steps after start-up: one stall on a shared machine is 10 % of the run
 GOODPUT_WARN = 0.8  # after start-up, 20 % of the time unproductive is worth a look (stalls, skips, restarts)
 COLUMNS = ("rank", "step", "t", "step_time_s", "tokens", "skipped", "segment", "optimizer", "loss")
@@ -179,6 +180,17 @@ def mfu_finding(rates: dict[int, float], meta: dict[str, Any]) -> Finding:
         )
     mfu = {name: value / peak.tflops for name, value in evidence["achieved_tflops"].items()}
     evidence["mfu"] = mfu
+    if not mfu["ciuic"] <= MFU_MAX:
+        return Finding(
+            probe=PROBE,
+            check="mfu",
+            verdict="fail",
+            summary=f"MFU {100 * mfu['ciuic']:.4g} % (ciuic convention) is above 100 %, which no device "
+            f"reaches: an input is wrong: the peak {peak.tflops:g} TFLOP/s ({peak.device or 'given'}, "
+            f"{peak.source}), the model config in meta.json, or the token counts of the step records; "
+            f"{per_token}",
+            evidence=evidence,
+        )
     return Finding(
         probe=PROBE,
         check="mfu",

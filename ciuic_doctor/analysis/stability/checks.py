@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ciuic_doctor.analysis.stability.curve import Curve
 
 HEALTHY_QUANTILE = 0.99  # suggested max_norm sits above 99 % of healthy steps, so it trims only outliers
-MOST_STEPS = 0.5  # clipping more than half the steps rescales the LR rather than guarding against spikes
+MOST_STEPS = 0.5  # clipping more than half the steps changes every update rather than guarding against spikes
 # The first steps from initialisation carry the largest grad norms of a run: nanoGPT, minGPT's chargpt and
 # build-nanogpt got max_norm 1.6 / 2.2 / 3.3 read from their first 20-41 steps. max_norm is read
 # from the steady phase only: after the LR warm-up and after the first STEADY_AFTER_STEPS steps.
@@ -230,9 +230,9 @@ def clipping(curve: Curve, clip: float | None, grad_spikes: list[Spike]) -> list
     peaks = [s.peak for s in grad_spikes]
     if clip > 0 and fraction > MOST_STEPS:
         summary = (
-            f"{fraction:.0%} of steps had grad norm above max_norm {clip:g}: clipping rescales the LR "
-            f"instead of guarding against spikes; healthy steps reach {_g(p99)} (p99, {based}): "
-            f"max_norm≈{computed:g}"
+            f"{fraction:.0%} of steps had grad norm above max_norm {clip:g}: clipping changes every update "
+            f"(with SGD a smaller LR; with Adam-family optimizers mostly the moment estimates) instead of "
+            f"guarding against spikes; healthy steps reach {_g(p99)} (p99, {based}): max_norm≈{computed:g}"
         )
         return [_finding("clipping", "warn", summary, evidence)]
     if peaks and (clip <= 0 or clip > max(peaks)):

@@ -329,14 +329,19 @@ STRONG_RATIO = 3.0
 
 
 def _short_blowup(s: np.ndarray, y: np.ndarray, quantum: float) -> Divergence | None:
-    """A blow-up a person sees in a handful of points: one point jumps to STRONG_RATIO× the best before it
-    and every point from there to the end (two or more) stays above √STRONG_RATIO× that best (Megatron logs
+    """A blow-up a person sees in a handful of points: one point jumps to STRONG_RATIO× the typical (median)
+    point before it, every point from there on is above every point before it, and every point from there to
+    the end (two or more) stays above √STRONG_RATIO× the best before it (Megatron logs
     of 4-5 iterations going 12.5 -> 40.8 or 14.1 -> 76.8 and staying there). Blocks of 2 points need 8 points
     and a rise over the last half; a jump-and-stay has neither, and is the plainest divergence there is.
     `y` is the log of the finite, positive values at steps `s`."""
     for j in range(1, len(y) - 1):
         best = float(y[:j].min())
-        if y[j] - best < math.log(STRONG_RATIO):
+        if y[j] - float(np.median(y[:j])) < math.log(STRONG_RATIO):
+            continue
+        # a level the run never held before: every point from the jump on is above every point before it
+        # (a batch-of-4 loss that jumps 10x from step to step ends high by chance, and had been that high)
+        if y[j:].min() <= y[:j].max():
             continue
         if np.all(y[j:] - best >= 0.5 * math.log(STRONG_RATIO)):
             with np.errstate(over="ignore"):

@@ -33,7 +33,7 @@ from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import as_float
 from ciuic_doctor.units import format_bytes
 
-STEP_CHECKS = ("step_time", "straggler_onset", "slow_host")
+STEP_CHECKS = ("step_time", "straggler_onset", "slow_host", "stall", "intermittent")
 
 
 def step_table_of(steps: Sequence[dict[str, Any]]) -> StepTable:

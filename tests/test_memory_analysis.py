@@ -274,4 +274,7 @@ def test_a_short_job_sampled_in_time_is_not_judged_a_leak(tmp_path):
     writer.close()
     leak = _leak(memory.analyze(run), "host", 0)
     assert leak.verdict == "not_run", leak.summary
-    assert "while the job made only 4 step(s)" in leak.summary
+    # one of the two start-up rules answers (growth outside the recorded steps, or too few steps made);
+    # either way the summary names the 4 steps and asks for more
+    assert "outside its 4 recorded step(s)" in leak.summary or "made only 4 step(s)" in leak.summary
+    assert "run more steps" in leak.summary

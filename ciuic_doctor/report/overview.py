@@ -164,6 +164,8 @@ def _limits(series: Series) -> tuple[float, float]:
     values = [v for v in (*series.line, *series.low, *series.high) if math.isfinite(v)]
     if series.log:
         values = [math.log10(v) for v in values if v > 0]
+    if not values:  # nothing finite to draw: an empty panel, never a traceback
+        return -1.0, 1.0
     low, high = min(values), max(values)
     if series.high and not series.log:
         ordered = sorted(v for v in series.line if math.isfinite(v))
@@ -173,7 +175,11 @@ def _limits(series: Series) -> tuple[float, float]:
     if high - low < 1e-12:
         low, high = low - 0.5 * (abs(low) or 1), high + 0.5 * (abs(high) or 1)
     pad = 0.06 * (high - low)
-    return low - pad, high + pad
+    low, high = low - pad, high + pad
+    if not (math.isfinite(low) and math.isfinite(high) and high > low):
+        # values near the float range (1e308) or a span a float cannot hold: a flat, still drawable panel
+        return -1.0, 1.0
+    return low, high
 
 
 def overview_svg(panels: Sequence[Series | None], marks: Sequence[Mark], *, caption: str) -> str | None:

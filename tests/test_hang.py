@@ -190,7 +190,12 @@ def test_sigstopped_rank_is_a_stall_with_its_py_spy_frame_and_hang_pid_asks_the_
     there = json.loads(out.stdout)[0]["evidence"]
     assert (there["kind"], there["culprit_ranks"]) == ("stall", [1]), out.stdout
     assert {row["rank"]: row["source"] for row in there["ranks"]} == {0: "watchdog", 1: "py-spy"}
-    assert json.loads((elsewhere / "hang.rank0.json").read_text())["reason"] == "requested"
+    copied = json.loads((elsewhere / "hang.rank0.json").read_text())
+    assert copied["reason"] == "requested"
+    # the rank had dumped before, so this dump's Flight Recorder file is rank0.<n>: copied under that name
+    if copied.get("fr_file"):
+        copies = sorted(p.name for p in (elsewhere / "hang.fr").iterdir())
+        assert (elsewhere / copied["fr_file"]).is_file(), copies
 
 
 @pytest.mark.slow

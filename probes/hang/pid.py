@@ -14,6 +14,7 @@ Standard library and psutil only: no torch here.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -188,7 +189,7 @@ def _bring_dump(rank: int, source: Path, run: RunDir) -> bool:
     regular files inside `source` only, each at most its cap, written without following a symlink."""
     names = [
         (f"hang.rank{rank}.stacks.txt", safe_io.MAX_TEXT_BYTES),
-        (f"hang.fr/rank{rank}", safe_io.MAX_PICKLE_BYTES),
+        (_fr_name(rank, source), safe_io.MAX_PICKLE_BYTES),
         (f"hang.rank{rank}.armed.json", safe_io.MAX_JSON_BYTES),
         (f"hang.rank{rank}.json", safe_io.MAX_JSON_BYTES),  # last: its presence means complete
     ]
@@ -206,6 +207,25 @@ def _bring_dump(rank: int, source: Path, run: RunDir) -> bool:
                 safe_io.make_dir(run.path, "hang.fr")
             safe_io.write_atomic(run.path / name, data, root=run.path)
     return True
+
+
+def _fr_name(rank: int, source: Path) -> str:
+    """The Flight Recorder file rank `rank`'s dump names: a rank that dumped before writes its next
+    dump's entries to `hang.fr/rank<R>.<index>`, so the copy must take that file, not the first one.
+    Only a name of that shape is taken from the (untrusted) dump; anything else falls back to the first."""
+    first = f"hang.fr/rank{rank}"
+    try:
+        dump = json.loads(
+            safe_io.read_bytes(
+                source / f"hang.rank{rank}.json", max_bytes=safe_io.MAX_JSON_BYTES, root=source
+            )
+        )
+    except (OSError, ValueError):
+        return first
+    named = dump.get("fr_file") if isinstance(dump, dict) else None
+    if isinstance(named, str) and re.fullmatch(rf"hang\.fr/rank{rank}(\.[0-9]{{1,6}})?", named):
+        return named
+    return first
 
 
 def _copy_flight_recorder(proc: psutil.Process, rank: int, run_path: Path) -> str | None:

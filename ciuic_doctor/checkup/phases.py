@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ciuic_doctor.processes import die_with_parent
+
 CPU_MAX_BYTES = "4M"  # gloo on a CPU box: the small sizes are enough to see latency and bandwidth
 MEMWATCH_INTERVAL_S = "0.2"
 
@@ -29,29 +31,6 @@ class Phase:
     seconds: float = 0.0
     reason: str = ""
     argv: list[str] = field(default_factory=list)
-
-
-def _die_with_us():  # -> Callable[[], None] | None
-    """For Popen's preexec_fn: the child gets SIGTERM when checkup dies, even by SIGKILL
-    (PR_SET_PDEATHSIG, as launch.py does for ranks), so kill -9 of checkup leaves no torchrun, memwatch
-    or rank training on. torchrun passes the SIGTERM on to its ranks. None where there is no prctl."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    import signal
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # checkup died between the fork and the prctl
-            os._exit(128 + signal.SIGTERM)
-
-    return arm
 
 
 def _child_env() -> dict[str, str]:
@@ -111,7 +90,7 @@ class Checkup:
             stderr=subprocess.STDOUT,
             env={**_child_env(), **(env or {})},
             text=True,
-            preexec_fn=_die_with_us(),  # noqa: PLW1509 - one libc call, prepared before the fork
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - one libc call, prepared before the fork
         )
         proc.log = log  # type: ignore[attr-defined]
         phase.seconds = time.perf_counter()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_doctor.errors import ProbeFailed
+from ciuic_doctor.processes import die_with_parent
 from ciuic_doctor.verify.plan import Candidate
 
 VERIFY_DIR = "verify"
@@ -93,28 +94,6 @@ def _last_line(text: str) -> str:
     return terminal((refusal or lines or [""])[-1][:600])  # a job's bytes never reach the terminal raw
 
 
-def _die_with_verify() -> Callable[[], None] | None:
-    """Popen's preexec_fn: the run gets SIGTERM when verify dies, even by SIGKILL (PR_SET_PDEATHSIG, as
-    launch.py arms its ranks and checkup its phases); torchrun passes it on to its ranks, and watch's
-    sentinel ends with the process it watches. None where there is no prctl (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def arm() -> None:
-        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # verify died between the fork and the prctl
-            os._exit(128 + signal.SIGTERM)
-
-    return arm
-
-
 def run_once(
     command: JobCommand, out: Path, set_items: list[str], timeout_s: float
 ) -> tuple[int | None, str]:
@@ -128,7 +107,7 @@ def run_once(
             cwd=command.cwd,
             text=True,
             start_new_session=True,
-            preexec_fn=_die_with_verify(),  # noqa: PLW1509 - one libc call, prepared before the fork
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - one libc call, prepared before the fork
         )
         try:
             code: int | None = proc.wait(timeout=timeout_s)

@@ -289,3 +289,39 @@ def test_under_srun_each_task_would_start_its_own_step_so_it_refuses(slurm_clust
     assert done.returncode == 2
     assert done.stderr.count("runs once per allocation") == 2  # one line from each task, no traceback
     assert "Traceback" not in done.stderr
+
+
+def test_a_step_ends_when_the_process_that_started_it_is_killed_with_9(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """verify and checkup start their Slurm steps through srun; kill -9 of them runs no Python code to
+    scancel, so srun itself is armed to get SIGTERM when its parent dies, and srun ends its step."""
+    held = slurm_cluster.run("salloc", "-N", "2", "--no-shell", "--job-name=ciuic-k9", timeout=60)
+    job = next(w for w in (held.stderr + held.stdout).split() if w.isdigit())
+    env = {**slurm_cluster.env, "SLURM_JOB_ID": job}
+    starter = (
+        "import os, sys, time\n"
+        "from ciuic_doctor.cluster.slurm import Slurm\n"
+        "slurm = Slurm(env=dict(os.environ))\n"
+        f"log = open({str(tmp_path / 'step.log')!r}, 'w')\n"
+        "slurm.start_step(slurm.allocation(), ['sleep', '300'], name='ciuic-k9-step', env=dict(os.environ),"
+        " log=log)\n"
+        "print('started', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        assert parent.stdout.readline().strip() == "started"
+        deadline = time.monotonic() + 30
+        while not our_steps(slurm_cluster, "ciuic-k9-step") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert our_steps(slurm_cluster, "ciuic-k9-step"), "the step never showed in squeue --steps"
+        os.kill(parent.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while our_steps(slurm_cluster, "ciuic-k9-step") and time.monotonic() - killed < 10:
+            time.sleep(0.5)
+        assert not our_steps(slurm_cluster, "ciuic-k9-step"), "the step outlived its killed parent by 10 s"
+    finally:
+        parent.kill()
+        slurm_cluster.run("scancel", job, timeout=20)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ciuic_doctor.cluster.base import Allocation, BatchOptions
 from ciuic_doctor.errors import UserError
+from ciuic_doctor.processes import die_with_parent
 
 COMMANDS = ("srun", "sbatch", "scancel", "squeue", "scontrol")
 QUERY_TIMEOUT_S = 30.0  # a controller that does not answer within this is down for our purposes
@@ -100,6 +101,8 @@ class Slurm:
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # a terminal's Ctrl-C reaches us, and we cancel the step ourselves
+            # kill -9 of the caller (verify, checkup): srun gets SIGTERM and ends its step with it
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - one libc call, prepared before the fork
         )
 
     def submit_batch(

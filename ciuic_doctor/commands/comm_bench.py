@@ -26,6 +26,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64", "int32", "int64", "float8
 # Set for the ranks `launch_local` starts: they leave the one failure line to the parent, which reads
 # it from meta.json, instead of printing it a second time.
 PARENT_ENV = "CIUIC_COMM_PARENT_REPORTS"
+PARENT = {PARENT_ENV: "1"}  # the ranks leave the final words to the launching process
 
 
 def _parse_list(option: str, text: str, allowed: tuple[str, ...]) -> list[str]:
@@ -287,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_nodes(args: argparse.Namespace, spread) -> int:  # spread: cluster.spread.Spread
     """Every node of the allocation: one run directory, one torchrun per node (launch.launch_nodes)."""
-    from ciuic_doctor.errors import ProbeFailed, UserError
+    from ciuic_doctor.errors import UserError
     from ciuic_doctor.launch import launch_nodes
     from ciuic_doctor.rundir.store import RunDir, default_run_path
 
@@ -295,15 +296,7 @@ def _run_nodes(args: argparse.Namespace, spread) -> int:  # spread: cluster.spre
         raise UserError(f"--root {args.root} is not a rank of a {spread.world}-rank run")
     run = RunDir.create(default_run_path(NAME, args.out))
     print(f"comm-bench: {spread.world} ranks on {spread.describe()} -> {run.path}", flush=True)
-    try:
-        launch_nodes(spread, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})
-    except ProbeFailed:
-        entry = run.read_meta().get("probes", {}).get(NAME, {})
-        if entry.get("message"):
-            raise ProbeFailed(f"{entry['message']}; records in {run.path / 'comm.jsonl'}") from None
-        raise
-    print(f"comm-bench: results in {run.path} (records: comm.jsonl; next: ciuic-doctor analyze {run.path})")
-    return 0
+    return _launched(run, lambda: launch_nodes(spread, _forwarded_argv(args), run_dir=run.path, env=PARENT))
 
 
 def _run_rank(args: argparse.Namespace) -> int:
@@ -350,7 +343,6 @@ def _run_rank(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from ciuic_doctor.errors import ProbeFailed
     from ciuic_doctor.launch import check_nproc, launch_local
     from ciuic_doctor.rundir.store import RunDir, default_run_path
 
@@ -364,11 +356,17 @@ def _run_local(args: argparse.Namespace) -> int:
     if args.splits_from:
         check_splits_fit(args.splits_from, nproc, nproc, args.dtype)
     run = RunDir.create(default_run_path(NAME, args.out))
+    return _launched(run, lambda: launch_local(nproc, _forwarded_argv(args), run_dir=run.path, env=PARENT))
+
+
+def _launched(run, launch) -> int:  # run: RunDir; launch: starts the ranks and waits for them
+    """Run `launch`; a failure is said in the ranks' own words (wrong elements, a dead rank: they wrote
+    them to meta.json), which say more than the launcher's "rank 0 failed (exit code 1)"."""
+    from ciuic_doctor.errors import ProbeFailed
+
     try:
-        launch_local(nproc, _forwarded_argv(args), run_dir=run.path, env={PARENT_ENV: "1"})
+        launch()
     except ProbeFailed:
-        # The ranks wrote what went wrong (wrong elements, a dead rank) to meta.json; their words say
-        # more than the launcher's "rank 0 failed (exit code 1)".
         entry = run.read_meta().get("probes", {}).get(NAME, {})
         if entry.get("message"):
             raise ProbeFailed(f"{entry['message']}; records in {run.path / 'comm.jsonl'}") from None

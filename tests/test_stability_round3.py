@@ -14,34 +14,11 @@ import logsynth as ls
 import logsynth_formats as lf
 import numpy as np
 import pytest
+from stability_helpers import decay, judged, one, raised
 
-from ciuic_doctor.analysis.stability import analyze_log
 from ciuic_doctor.analysis.stability.events import merge_events
 from ciuic_doctor.analysis.stats.spikes import Spike
-from ciuic_doctor.importers import load, sniff
-
-
-def judged(tmp_path, name: str, text: str):
-    path = tmp_path / name
-    path.write_text(text)
-    log = load(path)
-    return log, analyze_log(log)
-
-
-def raised(findings, check):
-    return [f for f in findings if f.check == check and f.verdict in ("warn", "fail")]
-
-
-def one(findings, check):
-    [finding] = [f for f in findings if f.check == check]
-    return finding
-
-
-def decay(n: int, start: float, floor: float, *, noise: float, seed: int, tau: float = 300.0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(n, dtype=float)
-    return (floor + (start - floor) * np.exp(-t / tau)) * np.exp(rng.normal(0, noise, n))
-
+from ciuic_doctor.importers import sniff
 
 # ---- 1. a spike at the second logged point -----------------------------------------------------------
 

@@ -202,3 +202,43 @@ def test_other_engines_read_the_layout_as_it_is(run_2100, tmp_path):
     block = dataset.to_table(columns=["rank"], filter=ds.field("rank_block") == 2)
     assert block.num_rows == (2100 - 2048) * 6
     assert sorted(set(block.column("rank").to_pylist())) == list(range(2048, 2100))
+
+
+def test_compact_writes_the_copy_so_even_the_first_report_parses_no_json(run_small, tmp_path, monkeypatch):
+    run = _copy_of(run_small, tmp_path)
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", str(2**40))  # a report would not copy a run this small
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ciuic_doctor", "compact", str(run)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"columnar/steps: {48 * 60} records" in done.stdout
+    assert (run / "columnar" / "memwatch" / "manifest.json").is_file()
+
+    def no_json(*args, **kwargs):
+        raise AssertionError("the JSONL was parsed although compact wrote a fresh copy")
+
+    monkeypatch.setattr(frames, "read_table", no_json)
+    assert frames.read_stream(RunDir.open(run), "steps", STEPS).rows == 48 * 60
+
+
+def test_a_loss_that_went_nan_is_kept_as_nan(tmp_path):
+    run = generate(tmp_path / "run", gpu_plan(4, 10))
+    path = run / "steps.rank2.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[-1])
+    record["loss"] = "nan"  # what the store writes for a non-finite float
+    lines[-1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    first = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    frames.clear_cache()
+    again = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    assert again.copy_id == first.copy_id  # from the copy
+    rows = again.table.select(["rank", "step", "loss"]).to_pylist()
+    last = max((r for r in rows if r["rank"] == 2), key=lambda r: r["step"])
+    assert last["loss"] != last["loss"]  # NaN, as the JSONL reader read it
+    assert sum(r["loss"] != r["loss"] for r in rows) == 1

@@ -383,12 +383,21 @@ def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bo
     return read.select(columns, encoded=encoded)
 
 
-def _read_through_copy(run: RunDir, stream: str, files: list[Path], columns: list[str]) -> TableRead:
+def columnar_copy(run: RunDir, stream: str) -> TableRead:
+    """The stream read through its columnar copy, the copy written whatever the stream's size (`compact`
+    makes it ahead of the first report); `read.copy_id` is None when it could not be (`run.notes`)."""
+    files = run.stream_files(stream)
+    return _read_through_copy(run, stream, files, list(STREAM_COLUMNS[stream]), threshold=0)
+
+
+def _read_through_copy(
+    run: RunDir, stream: str, files: list[Path], columns: list[str], *, threshold: int | None = None
+) -> TableRead:
     """The stream from its columnar copy when one matches the files as they are now; else from the JSONL,
     and then (a big stream, in a writable run) the copy is written for the next report (`copies`)."""
     from ciuic_doctor.rundir.frames import copies
 
-    plan = copies.plan(stream, files) if stream in STREAM_COLUMNS else None
+    plan = copies.plan(stream, files, threshold) if stream in STREAM_COLUMNS else None
     if plan is None:
         return read_table(files, columns, stream, encoded=True)
     if (read := copies.load(run, plan, columns)) is not None:

@@ -32,11 +32,12 @@ def copy_min_bytes() -> int:
         return COPY_MIN_BYTES
 
 
-def plan(stream: str, files: list[Path]) -> CopyPlan | None:
-    """None when no copy is to be read or written (turned off, or a file vanished while listed)."""
+def plan(stream: str, files: list[Path], threshold: int | None = None) -> CopyPlan | None:
+    """None when no copy is to be read or written (turned off, or a file vanished while listed).
+    `threshold`: the bytes from which a copy is written (default: `copy_min_bytes`)."""
     from ciuic_doctor.rundir.columnar.layout import sources_of
 
-    threshold = copy_min_bytes()
+    threshold = copy_min_bytes() if threshold is None else threshold
     if threshold < 0:
         return None
     try:

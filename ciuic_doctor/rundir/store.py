@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import fnmatch
 import json
 import math
 import os
@@ -287,12 +288,22 @@ class RunDir:
         out and named in `read_problems`, for every reader of the run (this one and columnar ones).
         """
         shared = self.stream_path(name)
+        pattern = f"{name}.rank*.jsonl"
+        # one listing of the folder, its entries' types from it (no stat a file: 100,000 ranks' files)
+        entries: dict[str, bool] = {}  # name -> a regular file (not followed: a symlink out is not one)
+        try:
+            with os.scandir(self.path) as listing:
+                for entry in listing:
+                    if entry.name == shared.name or fnmatch.fnmatchcase(entry.name, pattern):
+                        entries[entry.name] = entry.is_file(follow_symlinks=False)
+        except OSError:
+            pass
         ranked = sorted(
-            self.path.glob(f"{name}.rank*.jsonl"),
-            key=lambda p: int(m.group(1)) if (m := _RANK_FILE.search(p.name)) else -1,
+            (n for n in entries if n != shared.name and not n.startswith(".")),
+            key=lambda n: int(m.group(1)) if (m := _RANK_FILE.search(n)) else -1,
         )
-        found = ([shared] if shared.exists() or shared.is_symlink() else []) + ranked
-        regular = [p for p in found if safe_io.is_regular(p)]  # lstat: a symlink out is not followed
+        found = [self.path / n for n in ([shared.name] if shared.name in entries else []) + ranked]
+        regular = [p for p in found if entries[p.name]]
         if len(regular) < len(found):
             self._irregular[name] = ", ".join(
                 f"{p.name} unreadable ({safe_io.irregular_reason(p)}, not a regular file)"

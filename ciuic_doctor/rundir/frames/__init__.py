@@ -32,6 +32,7 @@ stays on the fast path. A free field's value of the wrong type for its column be
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -344,16 +345,28 @@ CACHED_STREAMS = 2  # steps and memwatch, the two streams that grow with ranks Ã
 _CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
 
 
-def _stamp(files: list[Path]) -> tuple:
-    from ciuic_doctor.rundir.parquet_store import parquet_path, source_stamp
+def _stamp(files: list[Path]) -> tuple[tuple, list[list[Any]]]:
+    """(what the cache compares, the files as the columnar copy's manifest lists them): one lstat a file.
+    A Parquet copy `compact` made (or removed) beside a file changes the stamp too; whether one exists is
+    looked up in one listing of the folder, not a stat a file (100,000 files: seconds, every caller)."""
+    from ciuic_doctor.rundir.parquet_store import parquet_path
 
-    def copy_stamp(jsonl: Path) -> bytes:
-        # a Parquet copy made (or removed) since the last read changes the stamp too; stat only, its
-        # metadata is read once per file by the read itself (4,096 files Ã— every caller otherwise)
-        target = parquet_path(jsonl)
-        return source_stamp(target) if target.is_file() else b""
-
-    return tuple((str(f), source_stamp(f), copy_stamp(f)) for f in files)
+    folders = {f.parent for f in files}
+    names: set[str] = set()
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            names.update(os.listdir(folder))
+    stamp, sources = [], []
+    for f in files:
+        info = os.lstat(f)
+        sources.append([f.name, info.st_size, info.st_mtime_ns])
+        copy = parquet_path(f)
+        copied = b""
+        if copy.name in names and os.path.isfile(copy):  # a compact copy (read only when fresh)
+            copy_info = os.lstat(copy)
+            copied = f"{copy_info.st_size}:{copy_info.st_mtime_ns}".encode()
+        stamp.append((str(f), info.st_size, info.st_mtime_ns, copied))
+    return tuple(stamp), sources
 
 
 def clear_cache() -> None:
@@ -369,13 +382,14 @@ def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bo
     The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
     the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept."""
     files = run.stream_files(stream)
-    key, stamp = (str(run.path.resolve()), stream), _stamp(files)
+    (stamp, sources), key = _stamp(files), (str(run.path.resolve()), stream)
     cached = _CACHE.get(key)
     if cached is not None and cached[0] == stamp and set(columns) <= set(cached[1].table.column_names):
         read = cached[1]
     else:
         _CACHE.pop(key, None)
-        read = _read_through_copy(run, stream, files, [*columns, *STREAM_COLUMNS.get(stream, ())])
+        wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]
+        read = _read_through_copy(run, stream, files, wanted, sources=sources)
         while len(_CACHE) >= CACHED_STREAMS:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (stamp, read)
@@ -387,17 +401,25 @@ def columnar_copy(run: RunDir, stream: str) -> TableRead:
     """The stream read through its columnar copy, the copy written whatever the stream's size (`compact`
     makes it ahead of the first report); `read.copy_id` is None when it could not be (`run.notes`)."""
     files = run.stream_files(stream)
-    return _read_through_copy(run, stream, files, list(STREAM_COLUMNS[stream]), threshold=0)
+    _, sources = _stamp(files)
+    return _read_through_copy(run, stream, files, list(STREAM_COLUMNS[stream]), sources=sources, threshold=0)
 
 
 def _read_through_copy(
-    run: RunDir, stream: str, files: list[Path], columns: list[str], *, threshold: int | None = None
+    run: RunDir,
+    stream: str,
+    files: list[Path],
+    columns: list[str],
+    *,
+    sources: list[list[Any]],
+    threshold: int | None = None,
 ) -> TableRead:
-    """The stream from its columnar copy when one matches the files as they are now; else from the JSONL,
-    and then (a big stream, in a writable run) the copy is written for the next report (`copies`)."""
+    """The stream from its columnar copy when one matches the files as they are now (`sources`: taken
+    before the read, so a file that grows during it makes the copy stale); else from the JSONL, and then
+    (a big stream, in a writable run) the copy is written for the next report (`copies`)."""
     from ciuic_doctor.rundir.frames import copies
 
-    plan = copies.plan(stream, files, threshold) if stream in STREAM_COLUMNS else None
+    plan = copies.plan(stream, files, sources, threshold) if stream in STREAM_COLUMNS else None
     if plan is None:
         return read_table(files, columns, stream, encoded=True)
     if (read := copies.load(run, plan, columns)) is not None:

@@ -32,17 +32,13 @@ def copy_min_bytes() -> int:
         return COPY_MIN_BYTES
 
 
-def plan(stream: str, files: list[Path], threshold: int | None = None) -> CopyPlan | None:
-    """None when no copy is to be read or written (turned off, or a file vanished while listed).
-    `threshold`: the bytes from which a copy is written (default: `copy_min_bytes`)."""
-    from ciuic_doctor.rundir.columnar.layout import sources_of
-
+def plan(
+    stream: str, files: list[Path], sources: list[list[Any]], threshold: int | None = None
+) -> CopyPlan | None:
+    """None when no copy is to be read or written (turned off). `sources`: [name, size, mtime_ns] of
+    `files`; `threshold`: the bytes from which a copy is written (default: `copy_min_bytes`)."""
     threshold = copy_min_bytes() if threshold is None else threshold
     if threshold < 0:
-        return None
-    try:
-        sources = sources_of(files)
-    except OSError:
         return None
     return CopyPlan(stream=stream, files=files, sources=sources, threshold=threshold)
 

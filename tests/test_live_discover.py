@@ -229,6 +229,37 @@ def test_two_agents_of_one_job_on_a_host_are_joined_by_their_run_id(tmp_path: Pa
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_watch_metrics_port_exporter_is_not_taken_for_rank_0(tmp_path: Path) -> None:
+    """watch's exporter inherits rank 0's environment (RANK, TORCHELASTIC_RUN_ID) and lives outside the
+    job's tree: the live view found it by the run id and showed it as rank 0 instead of the rank."""
+    from ciuic_doctor.live.view import LiveJob
+    from tests.test_live_job import TORCHRUN, free_port
+
+    script, ready, run = tmp_path / "allreduce.py", str(tmp_path / "ready."), tmp_path / "run"
+    script.write_text(ALLREDUCE_SCRIPT)
+    agent = subprocess.Popen(
+        [*TORCHRUN, "--nproc-per-node", "2", "-m", "ciuic_doctor", "watch", "--metrics-port",
+         str(free_port()), "--out", str(run), "--", str(script), ready],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    ranks: list[int] = []
+    try:
+        wait_for("both ranks in the collective", lambda: all(os.path.exists(ready + r) for r in "01"))
+        ranks = [int(Path(ready + r).read_text()) for r in "01"]
+        exporter = wait_for("watch's exporter", lambda: _exporters_of(run), timeout_s=60)
+        assert psutil.Process(exporter[0]).environ().get("RANK") == "0"  # what misled the discovery
+        layout = LiveJob(pid=agent.pid).discovery.refresh()
+        assert {r: p.pid for r, p in layout.ranks.items()} == {0: ranks[0], 1: ranks[1]}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        for pid in [*ranks, *_exporters_of(run)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 TWO_RANKS = textwrap.dedent(
     """
     import os, subprocess, sys, time

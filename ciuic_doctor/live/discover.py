@@ -36,6 +36,7 @@ from ciuic_doctor.live.procs import (
     LAUNCHER,
     LOCAL_RANK_ARG,
     NODE_KEY,
+    OWN_VIEWER,
     SPAWN_SETTLE_S,
     SPAWNED,
     WORKER_COMM,
@@ -204,6 +205,8 @@ class Discovery:
         comm = proc.name()
         parent = self._parent_seen(proc)
         env_rank = int_or_none(env.get("RANK"))
+        if OWN_VIEWER.search(cmdline):
+            return _Seen(proc=proc, role="helper", rank=None, source="cmdline")
         spawned = SPAWNED.search(cmdline) is not None and comm != WORKER_COMM and not HELPER.search(cmdline)
         if parent is not None and parent.role == "rank" and parent.source == "root":
             if env_rank is not None:

@@ -19,6 +19,9 @@ LAUNCHER = re.compile(
 )
 LOCAL_RANK_ARG = re.compile(r"--local[-_]rank[=\s](\d+)")
 HELPER = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
+# ciuic-doctor's own viewers: watch --metrics-port's exporter inherits rank 0's environment (RANK,
+# TORCHELASTIC_RUN_ID) and lives outside the job's process tree; it is never one of the job's ranks
+OWN_VIEWER = re.compile(r"(^|[/\s])ciuic[-_]doctor\s+(export|top)(\s|$)")
 SPAWNED = re.compile(r"--multiprocessing-fork|spawn_main\(")
 # files a watched rank keeps open in its run directory: its steps stream, its watchdog's fatal-stack file
 WATCHED_FILE = re.compile(r"(?:steps\.rank(\d+)\.jsonl|hang\.rank(\d+)\.fatal\.txt)$")
@@ -147,7 +150,16 @@ def pids_of_run_id(run_id: str, node: str | None = None) -> list[int]:
             env = read_environ(int(entry))
             if env and env.get("TORCHELASTIC_RUN_ID") == run_id and env.get(NODE_KEY) == node:
                 found.append(int(entry))
-    return found
+    return [pid for pid in found if not _own_viewer(pid)]
+
+
+def _own_viewer(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            words = fh.read(8192).replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return OWN_VIEWER.search(words) is not None
 
 
 def gpus_from_env(visible: str | None, local_rank: int | None, nvml_listed_any: bool) -> list[int]:

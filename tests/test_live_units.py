@@ -100,6 +100,16 @@ def test_straggler_is_the_rank_whose_own_pace_is_behind() -> None:
     assert stragglers(windows) == {}
 
 
+def test_a_7_percent_straggler_is_named_among_8_alike_ranks_and_not_among_2() -> None:
+    """The report's floor (crossrank.slow_floor): 5 % where >= 8 ranks keep one pace, else 10 %."""
+    windows = {r: _window(r, 0.20) for r in range(8)}
+    windows[3] = _window(3, 0.214)
+    found = stragglers(windows)
+    assert list(found) == [3]
+    assert "6.9 % above the typical rank" in found[3]  # 0.218 s over 0.204 s (jitter included)
+    assert stragglers({0: _window(0, 0.20), 1: _window(1, 0.214)}) == {}
+
+
 def test_overflow_storm_leaves_calibration_out() -> None:
     calibration = {1, 2, 3, 4, 5, 6}  # back to back from step 1: GradScaler finding its scale
     assert overflow_storms({0: _window(0, 0.2, n=60, skipped=calibration)}) == {}

@@ -139,10 +139,32 @@ def test_pure_noise_flags_nothing_across_1024_ranks():
     assert [p.rank for p in paces if p.kind in ("chronic", "onset", "recovered")] == []
 
 
-def test_a_shift_below_ten_percent_is_not_a_straggler():
+def test_a_shift_of_7_percent_is_a_straggler_among_alike_ranks_but_not_in_a_4_rank_job():
     pace = _noise(32, 600)
     pace[4, 300:] *= 1.07
+    found = classify(_matrix(pace))[4]
+    assert found.kind == "onset"
+    assert found.change_step == pytest.approx(301, abs=3)
+    assert found.excess_pct == pytest.approx(7, abs=1)
+    assert classify(_matrix(pace[:4]))[0].kind == "ok"  # 4 ranks: too few for a spread, the 10 % rule
+    assert classify(_matrix(pace[4:8]))[0].kind == "ok"
+
+
+def test_a_shift_below_five_percent_is_never_a_straggler():
+    pace = _noise(256, 600, sigma=0.01)
+    pace[4, 300:] *= 1.04
     assert classify(_matrix(pace))[4].kind == "ok"
+
+
+def test_a_whole_host_6_percent_slower_is_found_as_one_unit():
+    pace = _noise(128, 300, sigma=0.04, seed=5)
+    hosts = [f"h{r // 8:02d}" for r in range(128)]
+    pace[40:48, 150:] *= 1.06
+    found, seen = slow_hosts(classify(_matrix(pace, hosts)), _matrix(pace, hosts))
+    assert seen == 16
+    assert [h.host for h in found] == ["h05"]
+    assert found[0].change_step == pytest.approx(151, abs=5)
+    assert found[0].excess_pct == pytest.approx(6, abs=1.5)
 
 
 def test_whole_host_slow_is_a_host_problem_and_a_single_rank_is_not():

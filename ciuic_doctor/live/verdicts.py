@@ -8,8 +8,9 @@
   that wait in the collective. While a peer is stopped, a rank without a step for WAIT_STEPS median
   steps (and WAIT_MIN_S) is `waiting` at once, not after the 30 s a stall takes.
 - straggler: the rank's median pace (time before backward where recorded: in DDP the step time is evened
-  out by the gradient all-reduce; else the step time) is ≥ SLOW_FRACTION above the lower median of all
-  ranks and beyond NOISE_MADS × (its MAD + the typical MAD): analysis/steps/crossrank.py's level rule.
+  out by the gradient all-reduce; else the step time) is above the lower median of all ranks by the
+  report's floor (crossrank.slow_floor: 10 %, down to 5 % among >= 8 alike ranks) and beyond NOISE_MADS ×
+  (its MAD + the typical MAD): analysis/steps/crossrank.py's level rule.
 - memory climbing: the rank's RSS over the sampled window rises by Mann–Kendall z ≥ LEAK_Z with R² ≥
   LEAK_R2 and growth ≥ max(LEAK_MIN_BYTES, LEAK_MIN_FRACTION × level): the report's memory_leak rule
   (analysis/memory/data.py's constants: z 3, R² 0.5, 16 MiB, 0.5 %).
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ciuic_doctor.analysis.stats.scaler import ScalerRule
-from ciuic_doctor.analysis.steps.crossrank import NOISE_MADS, SLOW_FRACTION
+from ciuic_doctor.analysis.steps.crossrank import NOISE_MADS, slow_floor
 from ciuic_doctor.live.sample import RankSample
 from ciuic_doctor.live.streams import StepWindow
 
@@ -134,7 +135,7 @@ def stalled(
 
 
 def stragglers(windows: dict[int, StepWindow]) -> dict[int, str]:
-    """rank -> why, for ranks whose pace is SLOW_FRACTION beyond the lower median of all ranks."""
+    """rank -> why, for ranks whose pace is slow_floor beyond the lower median of all ranks."""
     metric = "pre_backward_s"
     if not all((p := w.pace(metric)) and p[2] >= MIN_PACE_STEPS for w in windows.values()):
         metric = "step_time_s"
@@ -144,15 +145,16 @@ def stragglers(windows: dict[int, StepWindow]) -> dict[int, str]:
     level = {r: p[0] for r, p in paces.items()}
     mads = {r: p[1] for r, p in paces.items()}
     typical, typical_mad = statistics.median_low(level.values()), statistics.median(mads.values())
+    if typical <= 0:
+        return {}
+    floor = slow_floor([v / typical for v in level.values()])
     out = {}
     for rank, value in level.items():
         excess = value - typical
-        if (
-            typical > 0
-            and excess >= SLOW_FRACTION * typical
-            and excess > NOISE_MADS * (mads[rank] + typical_mad)
-        ):
-            out[rank] = f"{metric} {value:.3g} s, {100 * excess / typical:.0f} % above the typical rank"
+        if excess >= floor * typical and excess > NOISE_MADS * (mads[rank] + typical_mad):
+            share = 100 * excess / typical
+            shown = f"{share:.1f}" if share < 10 else f"{share:.0f}"
+            out[rank] = f"{metric} {value:.3g} s, {shown} % above the typical rank"
     return out
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from ciuic_doctor.analysis.steps import desync as _desync
 from ciuic_doctor.analysis.steps.crossrank import (
+    MIN_SLOW_FRACTION,
     SLOW_FRACTION,
     RankPace,
     StepMatrix,
@@ -164,6 +165,15 @@ def _matrix(data: Any) -> StepMatrix | None:
     return step_matrix(frame, warmup_steps=WARMUP_STEPS, min_steady_steps=MIN_STEADY_STEPS)
 
 
+def pct(value: float) -> str:
+    """A percentage as a finding says it: one decimal below 10 (5.8 %), whole above (23 %).
+
+    >>> pct(5.84), pct(23.4)
+    ('5.8', '23')
+    """
+    return f"{value:.1f}" if abs(value) < 10 else f"{value:.0f}"
+
+
 def _hosts_of(paces: list[RankPace]) -> list[str]:
     return list(dict.fromkeys(p.host for p in paces if p.host))
 
@@ -214,7 +224,7 @@ def check_pace(data: Any) -> list[Finding]:
             *(_pace_not_run(check, why) for check in PACE_CHECKS[1:]),
         ]
     paces = classify(matrix)
-    hosts, n_hosts = slow_hosts(paces)
+    hosts, n_hosts = slow_hosts(paces, matrix)
     on_slow_host = {rank for h in hosts for rank in h.ranks}
     own = [p for p in paces if p.rank not in on_slow_host]
     return [
@@ -359,7 +369,7 @@ def _step_time(matrix: StepMatrix, paces: list[RankPace], own: list[RankPace]) -
         more = f" and {len(chronic) - 1} more rank(s)" if len(chronic) > 1 else ""
         summary = (
             f"rank {worst.rank}{f' on {worst.host}' if worst.host else ''}{more} slow the whole run: "
-            f"{worst.excess_pct:.0f} % more time per step before backward than the typical rank; the others "
+            f"{pct(worst.excess_pct)} % more time per step before backward than the typical rank; the others "
             f"wait for it in the gradient all-reduce, so steps take {slowdown_pct:.0f} % longer (median "
             f"step {step_median:.3f} s)"
             if matrix.pace_metric == "pre_backward_s"
@@ -406,8 +416,8 @@ def _onset(matrix: StepMatrix, own: list[RankPace]) -> Finding:
             check="straggler_onset",
             verdict="warn",
             summary=(
-                f"rank {worst.rank}{f' on {worst.host}' if worst.host else ''} is {worst.excess_pct:.0f} % "
-                f"slower than the typical rank {how} step {worst.change_step} (a median over the whole run "
+                f"rank {worst.rank}{f' on {worst.host}' if worst.host else ''} is {pct(worst.excess_pct)} % "
+                f"slower than its peers {how} step {worst.change_step} (a median over the whole run "
                 f"would hide it){more}: look at what changed on that rank then (thermal throttling, a "
                 "neighbour process, a degraded link)"
             ),
@@ -419,7 +429,8 @@ def _onset(matrix: StepMatrix, own: list[RankPace]) -> Finding:
         check="straggler_onset",
         verdict="pass",
         summary=f"no rank changed pace during the run ({len(own)} ranks over {len(matrix.steps)} steps; "
-        f"a change counts from {100 * SLOW_FRACTION:.0f} % and above the noise)",
+        f"a change counts from {100 * MIN_SLOW_FRACTION:.0f}-{100 * SLOW_FRACTION:.0f} % (by how alike the "
+        "ranks are) and above the noise)",
         evidence=evidence,
     )
 
@@ -439,6 +450,7 @@ def _slow_host(matrix: StepMatrix, paces: list[RankPace], hosts: list, n_hosts: 
                 "slow_ranks": len(h.flagged),
                 "excess_pct": h.excess_pct,
                 "change_step": h.change_step,
+                "judged_as_unit": h.as_unit,
             }
             for h in hosts[:MAX_NAMED]
         ],
@@ -455,14 +467,19 @@ def _slow_host(matrix: StepMatrix, paces: list[RankPace], hosts: list, n_hosts: 
     ranks = [r for h in hosts for r in h.flagged]
     when = f" from step {worst.change_step}" if worst.change_step is not None else ""
     more = f" ({len(hosts) - 1} more host(s) too)" if len(hosts) > 1 else ""
+    which = (
+        f"its {len(worst.ranks)} ranks together (their median pace) are"
+        if worst.as_unit
+        else f"{len(worst.flagged)} of its {len(worst.ranks)} ranks are"
+    )
     return Finding(
         probe=PROBE,
         check="slow_host",
         verdict="warn",
         summary=(
-            f"host {worst.host}: {len(worst.flagged)} of its {len(worst.ranks)} ranks are "
-            f"{worst.excess_pct:.0f} % slower than the typical rank{when}{more}: a host problem (CPU "
-            "frequency, thermal throttling, PCIe/NIC, a noisy neighbour), not a rank problem"
+            f"host {worst.host}: {which} {pct(worst.excess_pct)} % slower than the typical host's{when}"
+            f"{more}: a host problem (CPU frequency, thermal throttling, PCIe/NIC, a noisy neighbour), not "
+            "a rank problem"
         ),
         evidence=evidence,
         where={"host": worst.host, "hosts": [h.host for h in hosts], "rank": ranks[0], "ranks": ranks},

@@ -18,6 +18,14 @@ this rank is than the job's typical rank *at the same step*. From that normalise
   INTERMITTENT_MIN_SHARE of the rank's steps, costing ≥ INTERMITTENT_MIN_COST of its time and ≥
   MIN_COST_S: slow every n-th step (a periodic task on that host, a throttling cycle).
 
+How much slower is worth a warning depends on how alike the ranks are: SLOW_FRACTION (10 %) always; down
+to MIN_SLOW_FRACTION (5 %) where at least SPREAD_MIN_UNITS ranks keep so close a pace that 5 % stands
+SPREAD_SIGMAS robust σ beyond the spread of their levels (`slow_floor`). On 1,024 ranks with per-step
+jitter of 1-4 % the levels spread by ~0.6 % (σ): 5 % is 8 σ out, which no healthy rank reaches; a job
+of 2-4 ranks, or a noisy one, keeps the 10 % rule. A host is judged as one unit too (`host_paces`): the
+per-step median of its ranks has ~√8 less noise than one rank, so a whole host 5 % slower is found where
+its ranks one by one are at the edge of the noise.
+
 Significance is a z-test on the segment medians: shift > SIGNIFICANCE_Z × σ × √(1/n₁ + 1/n₂), σ the
 segments' pooled MAD (× 1.4826). Z = 5 leaves room for the 1,024 ranks × ~1,000 candidate splits each
 (the best split of pure noise has a z of about 3–4). A chronic straggler passes that test on its
@@ -49,7 +57,10 @@ from ciuic_doctor.analysis.steps.pace import (  # noqa: F401 - quiet_nan, normal
 if TYPE_CHECKING:
     import numpy as np
 
-SLOW_FRACTION = 0.10  # a rank ≥ 10 % slower than the others' median is worth acting on
+SLOW_FRACTION = 0.10  # a rank ≥ 10 % slower than the others' median is worth acting on...
+MIN_SLOW_FRACTION = 0.05  # ...and from 5 % where the ranks are alike enough (slow_floor)
+SPREAD_SIGMAS = 8.0
+SPREAD_MIN_UNITS = 8  # ranks (or hosts) before their spread is trusted
 SIGNIFICANCE_Z = 5.0
 NOISE_MADS = 2.0  # or: the excess in seconds beyond 2 × (its MAD + the typical rank's MAD)
 MIN_SEGMENT_STEPS = 10
@@ -125,6 +136,29 @@ def _mad(values: np.ndarray) -> float:
     return float(MAD_TO_SIGMA * np.median(np.abs(values - np.median(values))))
 
 
+def slow_floor(levels: Any) -> float:
+    """The smallest slowdown (a fraction) worth a warning among units whose levels (each unit's pace over
+    the typical unit's, 1.0 = typical) are `levels`: SLOW_FRACTION, lowered towards MIN_SLOW_FRACTION
+    where at least SPREAD_MIN_UNITS units spread so little that the floor is SPREAD_SIGMAS robust σ out.
+
+    >>> slow_floor([1.0, 1.2])
+    0.1
+    >>> slow_floor([1.0 + 0.001 * (i % 7) for i in range(64)])
+    0.05
+    >>> slow_floor([1.0 + 0.004 * (i % 7) for i in range(64)])
+    0.09489
+    """
+    import math
+    import statistics
+
+    finite = [float(v) for v in levels if math.isfinite(v)]
+    if len(finite) < SPREAD_MIN_UNITS:
+        return SLOW_FRACTION
+    middle = statistics.median(finite)
+    spread = MAD_TO_SIGMA * statistics.median(abs(v - middle) for v in finite)
+    return round(min(SLOW_FRACTION, max(MIN_SLOW_FRACTION, SPREAD_SIGMAS * spread)), 5)
+
+
 def classify(matrix: StepMatrix) -> list[RankPace]:
     """Every rank's RankPace from the normalised pace matrix, in two passes: the second divides by the
     median of the ranks the first found at pace, so that a slow host (8 of 32 ranks) does not lift the
@@ -132,26 +166,31 @@ def classify(matrix: StepMatrix) -> list[RankPace]:
     import numpy as np
 
     seconds = Seconds.of(matrix.pace_s)
-    first = _classify(matrix, typical_pace(matrix.pace_s), seconds)
+    with quiet_nan():
+        floor = slow_floor(seconds.median / seconds.typical) if seconds.typical > 0 else SLOW_FRACTION
+    first = _classify(matrix, typical_pace(matrix.pace_s), seconds, floor)
     at_pace = np.array([p.kind in ("ok", "one_off") for p in first])
     if at_pace.all() or at_pace.sum() < 2:
         return first
-    return _classify(matrix, typical_pace(matrix.pace_s, at_pace), seconds)
+    return _classify(matrix, typical_pace(matrix.pace_s, at_pace), seconds, floor)
 
 
-def _classify(matrix: StepMatrix, typical: np.ndarray, seconds: Seconds) -> list[RankPace]:
+def _classify(matrix: StepMatrix, typical: np.ndarray, seconds: Seconds, floor: float) -> list[RankPace]:
     """RANK_BLOCK ranks at a time: a dozen temporaries of the block's shape are alive at once (165 MiB
     over the whole matrix at 3,000 ranks × 1,000 steps)."""
     out: list[RankPace] = []
     for lo in range(0, len(matrix.ranks), RANK_BLOCK):
         with quiet_nan():
             norm = matrix.pace_s[lo : lo + RANK_BLOCK] / typical
-        out.extend(_classify_block(matrix, norm, lo, seconds))
+        out.extend(_classify_block(matrix, norm, lo, seconds, floor))
     return out
 
 
-def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seconds) -> list[RankPace]:
-    """The RankPace of the ranks from `lo` on, `norm` their normalised pace."""
+def _classify_block(
+    matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seconds, floor: float
+) -> list[RankPace]:
+    """The RankPace of the ranks from `lo` on, `norm` their normalised pace; `floor` the smallest
+    slowdown worth a warning (slow_floor)."""
     import numpy as np
 
     level = row_medians(norm)
@@ -166,7 +205,7 @@ def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seco
         with quiet_nan():
             mean_before = np.where(k_idx, clipped, 0).sum(axis=1) / splits
             mean_after = np.where(~k_idx, clipped, 0).sum(axis=1) / (n_steps - splits)
-        candidates = np.abs(mean_after - mean_before) >= SLOW_FRACTION / 2
+        candidates = np.abs(mean_after - mean_before) >= floor / 2
     else:
         candidates = np.zeros(len(norm), dtype=bool)
     del clipped
@@ -193,13 +232,13 @@ def _classify_block(matrix: StepMatrix, norm: np.ndarray, lo: int, seconds: Seco
             n1, n2 = np.isfinite(first).sum(), np.isfinite(second).sum()
             noise = SIGNIFICANCE_Z * sigma_seg * float(np.sqrt(1 / max(n1, 1) + 1 / max(n2, 1)))
             shift = after - before
-            if abs(shift) >= SLOW_FRACTION and abs(shift) > noise:
+            if abs(shift) >= floor and abs(shift) > noise:
                 slow, fast = (after, before) if shift > 0 else (before, after)
-                if slow - 1.0 >= SLOW_FRACTION and fast - 1.0 < SLOW_FRACTION:
+                if slow - 1.0 >= floor and fast - 1.0 < floor:
                     pace.kind = "onset" if shift > 0 else "recovered"
                     pace.change_step = int(matrix.steps[k])
                     pace.before, pace.after = before, after
-        if pace.kind == "ok" and level[i] - 1.0 >= SLOW_FRACTION:
+        if pace.kind == "ok" and level[i] - 1.0 >= floor:
             n = int(np.isfinite(row).sum())
             z_test = level[i] - 1.0 > SIGNIFICANCE_Z * float(sigma[i]) / max(1.0, np.sqrt(n))
             excess = seconds.median[lo + i] - seconds.typical
@@ -249,13 +288,42 @@ class HostPace:
     flagged: list[int]
     excess_pct: float
     change_step: int | None
+    as_unit: bool = False  # found on the median of its ranks (host_paces), not rank by rank
 
 
 HOST_FLAGGED_FRACTION = 0.75  # "all ranks of one host", with room for one rank that sits at the threshold
 
 
-def slow_hosts(paces: list[RankPace]) -> tuple[list[HostPace], int]:
-    """Hosts (≥ 2 ranks) where ≥ 75 % of the ranks are slow: a host problem, not a rank problem.
+def host_paces(matrix: StepMatrix) -> dict[str, RankPace]:
+    """Each host (of >= 2 ranks, holding fewer than half of them) judged as one unit: its ranks' median
+    pace at every step, classified as a rank is, against the other hosts. {} with fewer than 2 hosts."""
+    import numpy as np
+
+    members: dict[str, list[int]] = {}
+    for i, host in enumerate(matrix.hosts):
+        if host is not None:
+            members.setdefault(host, []).append(i)
+    total = sum(len(v) for v in members.values())
+    hosts = [h for h, idx in members.items() if len(idx) >= 2 and 2 * len(idx) <= total]
+    if len(hosts) < 2:
+        return {}
+    with quiet_nan():
+        pace = np.vstack([np.nanmedian(matrix.pace_s[members[h]], axis=0) for h in hosts])
+        step_time = np.vstack([np.nanmedian(matrix.step_time_s[members[h]], axis=0) for h in hosts])
+    units = StepMatrix(
+        ranks=np.arange(len(hosts)),
+        steps=matrix.steps,
+        hosts=hosts,
+        step_time_s=step_time,
+        pace_s=pace,
+        pace_metric=matrix.pace_metric,
+    )
+    return {p.host: p for p in classify(units) if p.host is not None}
+
+
+def slow_hosts(paces: list[RankPace], matrix: StepMatrix | None = None) -> tuple[list[HostPace], int]:
+    """Hosts (≥ 2 ranks) where ≥ 75 % of the ranks are slow, or (given the matrix) whose ranks' median
+    pace is slow judged as one unit (host_paces): a host problem, not a rank problem.
 
     Returns (slow hosts worst first, number of hosts seen)."""
     import statistics
@@ -265,23 +333,34 @@ def slow_hosts(paces: list[RankPace]) -> tuple[list[HostPace], int]:
         if pace.host is not None:
             by_host.setdefault(pace.host, []).append(pace)
     total = sum(len(v) for v in by_host.values())
+    units = host_paces(matrix) if matrix is not None else {}
     out = []
     for host, members in by_host.items():
         flagged = [p for p in members if p.kind in ("chronic", "onset", "recovered")]
-        if (
-            len(members) < 2
-            or len(flagged) < HOST_FLAGGED_FRACTION * len(members)
-            or 2 * len(members) > total
-        ):
+        unit = units.get(host)
+        slow_unit = unit is not None and unit.kind in ("chronic", "onset", "recovered")
+        if len(members) < 2 or 2 * len(members) > total:
             continue
-        changes = [p.change_step for p in flagged if p.change_step is not None]
-        out.append(
-            HostPace(
-                host=host,
-                ranks=sorted(p.rank for p in members),
-                flagged=[p.rank for p in sorted(flagged, key=lambda p: -p.excess_pct)],
-                excess_pct=round(statistics.median(p.excess_pct for p in flagged), 2),
-                change_step=int(statistics.median(changes)) if len(changes) * 2 > len(flagged) else None,
+        if len(flagged) >= HOST_FLAGGED_FRACTION * len(members):
+            changes = [p.change_step for p in flagged if p.change_step is not None]
+            out.append(
+                HostPace(
+                    host=host,
+                    ranks=sorted(p.rank for p in members),
+                    flagged=[p.rank for p in sorted(flagged, key=lambda p: -p.excess_pct)],
+                    excess_pct=round(statistics.median(p.excess_pct for p in flagged), 2),
+                    change_step=int(statistics.median(changes)) if len(changes) * 2 > len(flagged) else None,
+                )
             )
-        )
+        elif slow_unit:
+            out.append(
+                HostPace(
+                    host=host,
+                    ranks=sorted(p.rank for p in members),
+                    flagged=[p.rank for p in sorted(members, key=lambda p: -p.level)],
+                    excess_pct=unit.excess_pct,
+                    change_step=unit.change_step,
+                    as_unit=True,
+                )
+            )
     return sorted(out, key=lambda h: -h.excess_pct), len(by_host)

@@ -6,7 +6,8 @@
   they wait for them in a collective (they are stopped at a later step, or a stopped peer explains it),
   those are `waiting`, not culprits: the hang report's distinction between the culprit and the ranks
   that wait in the collective. While a peer is stopped, a rank without a step for WAIT_STEPS median
-  steps (and WAIT_MIN_S) is `waiting` at once, not after the 30 s a stall takes.
+  steps (and WAIT_MIN_S) is `waiting` at once, not after the 30 s a stall takes. A rank its peers wait
+  for inside a collective (the watchdog's wait records) is named in seconds: live/waits.py's rule.
 - straggler: the rank's median pace (time before backward where recorded: in DDP the step time is evened
   out by the gradient all-reduce; else the step time) is above the lower median of all ranks by the
   report's floor (crossrank.slow_floor: 10 %, down to 5 % among >= 8 alike ranks) and beyond NOISE_MADS ×
@@ -29,6 +30,7 @@ from ciuic_doctor.analysis.stats.scaler import ScalerRule
 from ciuic_doctor.analysis.steps.crossrank import NOISE_MADS, slow_floor
 from ciuic_doctor.live.sample import RankSample
 from ciuic_doctor.live.streams import StepWindow
+from ciuic_doctor.live.waits import Wait, culprits
 
 STALL_MEDIAN_STEPS = 20.0  # the hang watchdog's default: 20 median steps without a step...
 STALL_MIN_S = 30.0  # ...and at least 30 s (README, "When a job hangs")
@@ -97,14 +99,24 @@ class MemoryHistory:
 
 
 def stalled(
-    samples: dict[int, RankSample], figures: dict[int, dict[str, Any]], limits: Thresholds
+    samples: dict[int, RankSample],
+    figures: dict[int, dict[str, Any]],
+    limits: Thresholds,
+    *,
+    waits: dict[int, Wait] | None = None,
+    now: float | None = None,
 ) -> dict[int, tuple[str, str]]:
     """rank -> ("stalled" | "waiting", why)."""
+    import time
+
     out: dict[int, tuple[str, str]] = {}
     for rank, sample in samples.items():
         if sample.up and sample.state in STOPPED_STATES:
             out[rank] = ("stalled", f"process {sample.state} (state T: SIGSTOP or a debugger)")
     times = [f["step_time_s"] for f in figures.values() if f.get("step_time_s")]
+    if waits and not out:
+        typical = statistics.median(times) if times else 0.0
+        out.update(culprits(waits, samples, figures, typical, time.time() if now is None else now))
     if out:  # a stopped peer: the others block at their next collective, within a step or two
         typical = statistics.median(times) if times else 0.0
         for rank, sample in samples.items():
@@ -217,12 +229,14 @@ def judge(
     figures: dict[int, dict[str, Any]],
     history: MemoryHistory,
     limits: Thresholds,
+    *,
+    waits: dict[int, Wait] | None = None,
 ) -> dict[int, RankVerdict]:
     verdicts = {rank: RankVerdict(rank=rank, up=s.up) for rank, s in samples.items()}
     for rank, sample in samples.items():
         if not sample.up:
             verdicts[rank].why.append("process exited")
-    for rank, (kind, why) in stalled(samples, figures, limits).items():
+    for rank, (kind, why) in stalled(samples, figures, limits, waits=waits).items():
         if rank in verdicts:
             setattr(verdicts[rank], kind, True)
             verdicts[rank].why.append(why)

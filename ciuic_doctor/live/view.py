@@ -24,6 +24,7 @@ from ciuic_doctor.live.discover import Discovery, JobLayout
 from ciuic_doctor.live.sample import RankSample, Sampler
 from ciuic_doctor.live.streams import StepsTail, StepWindow
 from ciuic_doctor.live.verdicts import MemoryHistory, RankVerdict, Thresholds, judge
+from ciuic_doctor.live.waits import read_waits
 
 SERIES_POINTS = 60  # sparkline length
 
@@ -81,10 +82,15 @@ class LiveJob:
         self.tails: dict[Path, StepsTail] = {}
         self.host = socket.gethostname()
 
-    def _windows(self, layout: JobLayout) -> dict[int, StepWindow]:
+    @staticmethod
+    def _run_dirs(layout: JobLayout) -> set[Path]:
         dirs = {r.run_dir for r in layout.ranks.values() if r.run_dir is not None}
         if layout.run_dir is not None:
             dirs.add(layout.run_dir)
+        return dirs
+
+    def _windows(self, layout: JobLayout) -> dict[int, StepWindow]:
+        dirs = self._run_dirs(layout)
         windows: dict[int, StepWindow] = {}
         for run_dir in sorted(dirs):
             tail = self.tails.setdefault(run_dir, StepsTail(run_dir))
@@ -107,7 +113,8 @@ class LiveJob:
         self.memory.add(now, samples)
         windows = self._windows(layout)
         figures = {rank: windows[rank].figures(now) if rank in windows else {} for rank in layout.ranks}
-        verdicts = judge(samples, windows, figures, self.memory, self.limits)
+        waits = read_waits(self._run_dirs(layout))
+        verdicts = judge(samples, windows, figures, self.memory, self.limits, waits=waits)
         rows = [
             Row(
                 rank=rank,

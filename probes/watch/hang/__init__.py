@@ -59,6 +59,7 @@ from ciuic_doctor.probes.watch.hang.poll import (
     release_files,
     still_moving,
 )
+from ciuic_doctor.probes.watch.hang.waits import WaitRecord
 from ciuic_doctor.probes.watch.hang.where import format_stacks, peer_states, start_ticks, thread_stacks
 from ciuic_doctor.rundir.store import RunDir
 
@@ -112,6 +113,7 @@ class HangWatchdog:
         self._term_pending = False
         self._closing, self._armed_checked = False, False  # closing: stop() began, no stall is judged
         self._look: Look | None = None  # the main thread at the last poll of a stall; dumps so far:
+        self._waits = WaitRecord(run, rank)  # hang.rank<R>.wait.json, for the live view
         self._dumps = 0  # a later one keeps the earlier (hang.rank<R>.earlier<k>.*)
 
     # ---- installing -----------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class HangWatchdog:
         an evaluation), not a hang: it is marked resumed, so it is not judged as one."""
         self._closing = True  # first: the watchdog thread must not dump while watch closes
         self._stop.set()
+        self._waits.clear()
         if exit_code == 0 and (self._stalled_dump or self._resume_pending):
             self._stalled_dump = self._resume_pending = False
             self._mark_resumed()
@@ -381,6 +384,10 @@ class HangWatchdog:
             self._resume_pending = False
             self._mark_resumed()
         status = fr_status()
+        self._waits.rank = self.rank
+        with contextlib.suppress(Exception):  # the live view's hint: never the watchdog itself
+            if not self._closing:
+                self._waits.update(status)
         if status:  # {} before the first collective: no news
             completed = sum(max(0, int(s.get("last_completed_collective", -1))) for s in status.values())
             if completed > self._completed:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ciuic_doctor.analysis import run_all
+from ciuic_doctor.analysis.steps import check_pace
 from ciuic_doctor.analysis.steps.crossrank import StepMatrix, classify, slow_hosts
 from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import RunDir
@@ -143,6 +144,8 @@ def test_a_shift_of_7_percent_is_a_straggler_among_alike_ranks_but_not_in_a_4_ra
     pace = _noise(32, 600)
     pace[4, 300:] *= 1.07
     found = classify(_matrix(pace))[4]
+    onset = check_pace(_matrix(pace))[1]
+    assert re.search(r"rank 4 is \d\.\d % slower than its peers from step 30\d", onset.summary), onset.summary
     assert found.kind == "onset"
     assert found.change_step == pytest.approx(301, abs=3)
     assert found.excess_pct == pytest.approx(7, abs=1)
@@ -156,7 +159,7 @@ def test_a_shift_below_five_percent_is_never_a_straggler():
     assert classify(_matrix(pace))[4].kind == "ok"
 
 
-def test_a_whole_host_6_percent_slower_is_found_as_one_unit():
+def test_a_whole_host_6_percent_slower_is_found_from_step_k():
     pace = _noise(128, 300, sigma=0.04, seed=5)
     hosts = [f"h{r // 8:02d}" for r in range(128)]
     pace[40:48, 150:] *= 1.06
@@ -165,6 +168,22 @@ def test_a_whole_host_6_percent_slower_is_found_as_one_unit():
     assert [h.host for h in found] == ["h05"]
     assert found[0].change_step == pytest.approx(151, abs=5)
     assert found[0].excess_pct == pytest.approx(6, abs=1.5)
+
+
+def test_a_host_whose_ranks_differ_too_much_one_by_one_is_found_as_one_unit():
+    """Ranks 1.5 % apart (σ) keep the 10 % floor; their hosts' medians, √8 closer, do not: a host 8 %
+    slower is named only as a unit."""
+    pace = _noise(128, 300, sigma=0.04, seed=5) * (1 + np.random.default_rng(105).normal(0, 0.015, (128, 1)))
+    hosts = [f"h{r // 8:02d}" for r in range(128)]
+    pace[40:48, 150:] *= 1.08
+    assert not [p for p in classify(_matrix(pace, hosts)) if p.kind not in {"ok", "one_off"}]
+    by_check = {f.check: f for f in check_pace(_matrix(pace, hosts))}
+    host = by_check["slow_host"]
+    assert (host.verdict, host.where["host"], host.where["hosts"]) == ("warn", "h05", ["h05"])
+    said = r"its 8 ranks together \(their median pace\) are \d\.\d % slower than the typical host.s"
+    assert re.search(said, host.summary), host.summary
+    assert host.evidence["slow_hosts"][0]["judged_as_unit"] is True
+    assert slow_hosts(classify(_matrix(pace, hosts)))[0] == []  # rank by rank: not found
 
 
 def test_whole_host_slow_is_a_host_problem_and_a_single_rank_is_not():

@@ -3,6 +3,7 @@ planted fault each (or none), judged by the analyses in-process, scored per clas
 
     .venv/bin/python benchmarks/detection.py --runs 200 --ranks 1024 --steps 240 --seed 37
     .venv/bin/python benchmarks/detection.py --runs 4 --ranks 10000 --steps 200 --seed 37  # 10,000 ranks
+    .venv/bin/python benchmarks/detection.py --runs 100 --classes slow_rank,slow_host --slow-pct 5,10
 
 Each run is N ranks × S steps of watch's step records in DDP's timing model (tests/scalesynth.py: a rank's
 own pace is its time before backward, `pre_backward_s`; every rank's step ends after the slowest pace plus
@@ -88,8 +89,10 @@ class Run:
         return f"node-{rank // RANKS_PER_HOST:03d}"
 
 
-def generate(rng: np.random.Generator, kind: str, n_ranks: int, n_steps: int) -> Run:
-    """One run with `kind` planted (module docstring)."""
+def generate(
+    rng: np.random.Generator, kind: str, n_ranks: int, n_steps: int, slow_pct: tuple[float, float] = (5, 50)
+) -> Run:
+    """One run with `kind` planted (module docstring); a slow rank or host `slow_pct` % slower."""
     steps = np.arange(1, n_steps + 1)
     jitter = rng.uniform(0.01, 0.04)
     bias = 1 + rng.normal(0, 0.005, (n_ranks, 1))
@@ -122,11 +125,11 @@ def generate(rng: np.random.Generator, kind: str, n_ranks: int, n_steps: int) ->
     victim = int(rng.integers(n_ranks))
     onset = int(rng.integers(n_steps // 4, 3 * n_steps // 4))
     if kind == "slow_rank":
-        size = rng.uniform(5, 50)
+        size = rng.uniform(*slow_pct)
         pace[victim, onset - 1 :] *= 1 + size / 100
         planted = Planted(kind=kind, rank=victim, ranks=[victim], step=onset, size=size)
     elif kind == "slow_host":
-        size = rng.uniform(5, 50)
+        size = rng.uniform(*slow_pct)
         host = victim // RANKS_PER_HOST
         members = list(range(host * RANKS_PER_HOST, min(n_ranks, (host + 1) * RANKS_PER_HOST)))
         start = 1 if rng.random() < 0.5 else onset
@@ -286,10 +289,22 @@ def main() -> int:
     parser.add_argument("--healthy", type=float, default=0.34, help="share of healthy runs (0.34)")
     parser.add_argument("--latency-runs", type=int, default=4, help="faulty runs a class timed for latency")
     parser.add_argument("--memory-healthy", type=int, default=12, help="healthy runs also given to memory")
+    parser.add_argument("--slow-pct", default="5,50", help="slow rank/host slowdown range, %% (5,50)")
+    parser.add_argument("--classes", default=",".join(CLASSES), help="the faults planted (all)")
     args = parser.parse_args()
+    try:
+        low, high = (float(x) for x in args.slow_pct.split(","))
+    except ValueError:
+        parser.error("--slow-pct: two numbers, e.g. 5,10")
+    if not 0 < low <= high:
+        parser.error("--slow-pct: 0 < low <= high")
+    slow_pct = (low, high)
+    classes = tuple(args.classes.split(","))
+    if not classes or any(c not in CLASSES for c in classes):
+        parser.error(f"--classes: some of {', '.join(CLASSES)}")
     rng = np.random.default_rng(args.seed)
     n_healthy = round(args.healthy * args.runs)
-    kinds = ["healthy"] * n_healthy + [CLASSES[i % len(CLASSES)] for i in range(args.runs - n_healthy)]
+    kinds = ["healthy"] * n_healthy + [classes[i % len(classes)] for i in range(args.runs - n_healthy)]
     rng.shuffle(kinds)
     tp = dict.fromkeys(CLASSES, 0)
     fp = dict.fromkeys(CLASSES, 0)
@@ -302,7 +317,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="detection-"))
     try:
         for i, kind in enumerate(kinds):
-            run = generate(rng, kind, args.ranks, args.steps)
+            run = generate(rng, kind, args.ranks, args.steps, slow_pct)
             memory = kind == "leak" or (kind == "healthy" and healthy_memory < args.memory_healthy)
             healthy_memory += kind == "healthy" and memory
             found = findings_of(run, memory_root=root if memory else None)
@@ -362,7 +377,8 @@ def _prf(t: int, p: int, n: int) -> tuple[float, float, float]:
 def _table(args, kinds: list[str], score: dict, *, healthy_memory: int, wall: float, cpu: float) -> None:
     tp, fp, fn, lat = score["tp"], score["fp"], score["fn"], score["lat"]
     load = os.getloadavg()
-    print(f"detection benchmark: {len(kinds)} runs of {args.ranks} ranks x {args.steps} steps, "
+    planted = "" if args.slow_pct == "5,50" else f" (slow rank/host {args.slow_pct} %)"
+    print(f"detection benchmark: {len(kinds)} runs of {args.ranks} ranks x {args.steps} steps{planted}, "
           f"seed {args.seed}; {wall:.0f} s wall, {cpu:.0f} s CPU; load average {load[0]:.1f} "
           f"on {os.cpu_count()} CPUs")  # fmt: skip
     print(f"{'class':<14}{'runs':>5}{'TP':>5}{'FP':>5}{'FN':>5}{'precision':>11}{'recall':>8}{'F1':>7}"

@@ -391,7 +391,8 @@ def _table(args, sizes: list[int], faults: list[str], results: list[dict], calm,
           f"trial(s) a fault; {wall:.0f} s; load average {load[0]:.1f} on {os.cpu_count()} CPUs; "
           f"Prometheus: {'yes (scrape and rules every 1 s)' if prometheus else 'not run'}")  # fmt: skip
     head = f"{'fault':<7}{'ranks':>9}{'verdict s (each)':>30}{'<= goal':>9}{'alert s':>28}"
-    print(f"{head}{'hang names s':>24}")
+    if faults:
+        print(f"{head}{'hang names s':>24}")
     for kind in faults:
         mine = [r for r in results if r["kind"] == kind]
         goal = 30 if kind == "slow" else 15
@@ -409,8 +410,8 @@ def _table(args, sizes: list[int], faults: list[str], results: list[dict], calm,
               f"{(', '.join(calm['fired']) or 'none') if calm['prometheus'] else 'not run'}")  # fmt: skip
         for line in sorted(set(calm["alarms"]))[:10]:
             print(f"  {line}")
-    alerts = {a: k for k, a in PROMETHEUS_ALERT.items()}
-    print("alerts: " + ", ".join(f"{k}: {a}" for a, k in sorted(alerts.items())) + "; slow: "
+    if faults:
+        print("alerts: " + ", ".join(f"{k}: {a}" for k, a in PROMETHEUS_ALERT.items()) + "; slow: "
           "CiuicRankStraggler has for: 5m, not waited for")  # fmt: skip
     for r in results:
         if r.get("why"):

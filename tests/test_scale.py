@@ -153,6 +153,22 @@ def test_a_shift_of_7_percent_is_a_straggler_among_alike_ranks_but_not_in_a_4_ra
     assert classify(_matrix(pace[4:8]))[0].kind == "ok"
 
 
+def test_a_shift_under_ten_percent_must_last(monkeypatch):
+    from ciuic_doctor.analysis.steps import crossrank
+
+    pace = _noise(64, 240, sigma=0.02)
+    pace[4, 220:] *= 1.07  # the last 20 steps: a change point's segment, not yet sustained
+    assert classify(_matrix(pace))[4].kind == "ok"
+    monkeypatch.setattr(crossrank, "SUSTAINED_STEPS", 0)
+    assert classify(_matrix(pace))[4].kind == "onset"  # what the rule holds back
+    monkeypatch.undo()
+    pace[4, 200:220] *= 1.07  # the last 40
+    assert classify(_matrix(pace))[4].kind == "onset"
+    pace = _noise(64, 240, sigma=0.02)
+    pace[4, 220:] *= 1.2  # 20 %: the 10 % rule, no wait
+    assert classify(_matrix(pace))[4].kind == "onset"
+
+
 def test_a_shift_below_five_percent_is_never_a_straggler():
     pace = _noise(256, 600, sigma=0.01)
     pace[4, 300:] *= 1.04

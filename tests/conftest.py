@@ -124,23 +124,36 @@ def slurm_cluster():
 
 
 # `make test` runs the suite on 2 workers (pytest-xdist, --dist loadfile: a file's tests stay on one
-# worker, so a module's shared job runs once). Files are handed out in collection order, and a long file
-# handed out last leaves the other worker idle for minutes (measured: a 6-minute tail of one worker). The
-# files that took longest (seconds per file at load 5, 2 workers, 2026-12-02) therefore go first; a stale
-# list only costs time, never a result.
+# worker, so a module's shared job runs once). A long file handed out last leaves the other worker idle
+# for minutes (measured: an 8-minute tail of one worker, test_stability_job.py alone). So the files that
+# took longest go first: seconds per file (the sum of its tests in the slowest 60) on 2 workers at load
+# ~20, 2026-12-05, stability_job after its batch was cut. A stale list only costs time, never a result.
 LONGEST_FIRST = (
-    "test_verify.py",  # 235 s
-    "test_slurm_nodes.py",  # 422 s at load 5-15 (checkup, verify and comm-bench on the two-node Slurm)
-    "test_job.py",  # 179 s
-    "test_hang.py",  # 134 s
-    "test_stability_job.py",  # 125 s
-    "test_checkup.py",  # 112 s
-    "test_moe.py",  # 101 s
-    "test_checkpoint_check.py",  # 99 s
-    "test_healthy_jobs.py",  # 95 s
-    "test_hardening_processes.py",  # 83 s
-    "test_comm_bench.py",  # 79 s
+    "test_verify.py",  # 442 s
+    "test_slurm_nodes.py",  # 405 s (checkup, verify and comm-bench on the two-node Slurm)
+    "test_checkup.py",  # 341 s
+    "test_watch_frameworks.py",  # 274 s
+    "test_job.py",  # 238 s
+    "test_healthy_jobs.py",  # 235 s
+    "test_stability_job.py",  # 178 s
+    "test_moe.py",  # 149 s
+    "test_compare.py",  # 145 s
+    "test_fuzz_records.py",  # 144 s
+    "test_observed_frameworks.py",  # 122 s
+    "test_checkup_script.py",  # 113 s
+    "test_watch_patterns.py",  # 113 s
+    "test_hang.py",  # 77 s in its slowest two; 17 tests
+    "test_comm_bench.py",  # 18 tests of torchrun
+    "test_checkpoint_check.py",
+    "test_hardening_processes.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist (3.x) sorts the files by their number of tests unless told not to, which put the one-test
+    # test_stability_job.py last whatever the order below: keep the collection order.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -124,15 +124,43 @@ def test_killed_rank_is_named_by_the_survivor_and_rows_stay(tmp_path):
         "comm-bench", *QUICK, "--collectives", "all_reduce,all_gather", "--timeout", "600", "--out", str(out),
         env={"CIUIC_COMM_FAULT": "1:4096:kill"}, timeout=120,
     )  # fmt: skip
-    assert result.returncode != 0
-    assert "FAILED: rank 1 on " in result.stderr
-    assert "died during all_reduce 4K" in result.stderr
-    assert result.stderr.count("FAILED: rank 1") == 1  # one message, not one per survivor
+    assert result.returncode != 0, result.stderr
+    assert "FAILED: rank 1 on " in result.stderr, result.stderr
+    assert "died during all_reduce 4K" in result.stderr, result.stderr
+    assert result.stderr.count("FAILED: rank 1") == 1, result.stderr  # one message, not one per survivor
     rows = _records(out)
     assert [(r["collective"], r["bytes"]) for r in rows] == [("all_reduce", 1024)]
     probe = json.loads((out / "meta.json").read_text())["probes"]["comm-bench"]
     assert probe["status"] == "failed"
     assert probe["message"].startswith("rank 1 on ")
+
+
+SIGTERM_BETWEEN_ROWS = """
+import os, signal, sys, time
+from ciuic_doctor.probes.comm.faults import Terminated, Watch
+watch = Watch(store=None, rank=0, world_size=2, hosts=["h", "h"], timeout_s=60, defer_sigterm=True)
+watch.start()
+watch.step("all_reduce 1K in-place")
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.3)  # a sleep the signal interrupts: an immediate Terminated would end the script here
+print("row written", flush=True)
+try:
+    watch.step("all_reduce 4K in-place")
+except Terminated:
+    print("terminated at", watch.label, flush=True)
+    sys.exit(1)
+"""
+
+
+def test_sigterm_between_rows_ends_the_rank_at_its_next_step():
+    """The launcher SIGTERMs rank 0 about 0.1 s after a peer dies, maybe while rank 0 still writes the
+    row every rank finished: the row is written, and the rank stops on entering the next one, so the
+    message names the row the peer never joined. A real process signals itself between two rows."""
+    result = subprocess.run(
+        [sys.executable, "-c", SIGTERM_BETWEEN_ROWS], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == ["row written", "terminated at all_reduce 4K in-place"]
 
 
 def test_hung_rank_is_named_within_the_timeout(tmp_path):

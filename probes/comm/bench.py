@@ -131,6 +131,7 @@ class Bench:
             world_size=self.world,
             hosts=self.hosts,
             timeout_s=self.cfg.timeout_s,
+            defer_sigterm=True,  # a row every rank finished is written before the rank stops
         )
         self.watch.start()
         self.fault = fault_from_env()

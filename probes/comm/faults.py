@@ -11,6 +11,12 @@ quietly, so the user reads one message naming the rank and host.
 The same thread is a watchdog for hangs the backend cannot see (a stuck device sync): no progress for
 the timeout plus a grace period ends the process with the same diagnosis.
 
+With `defer_sigterm` (comm-bench), SIGTERM ends the rank at its next step or tick, never in between:
+the launcher SIGTERMs rank 0 about 0.1 s after a peer dies, and rank 0 may still be gathering and writing
+the row every rank has just finished. Raised there, it lost that row and named it as the one the peer died
+during. Deferring costs no reaction time: the handler cannot run inside a blocking collective anyway
+(Python handlers run between bytecodes), and the Python between two ticks is milliseconds of bookkeeping.
+
 Test hook (documented, off unless set): CIUIC_COMM_FAULT="RANK:BYTES:ACTION" makes rank RANK, before its
 first row of BYTES bytes, `exit` (os._exit(3)), `kill` (SIGKILL itself), `hang` (block forever, its
 heartbeat still beating) or `stop` (SIGSTOP itself: frozen whole, as `kill -STOP` leaves a process).
@@ -62,12 +68,16 @@ class Watch:
     # The stall watchdog (no progress for timeout + STALL_GRACE_S ends the process): comm-bench's rows
     # are short; the job turns it off, its start-up (model build, DataLoader workers) is not a row.
     stall_watchdog: bool = True
+    # SIGTERM acted on at the next step() or tick() (see the module docstring); the job's start-up is
+    # long and has no ticks, so it keeps the immediate Terminated.
+    defer_sigterm: bool = False
     command: str = "comm-bench"
     _last_progress: float = field(default_factory=time.monotonic)
     _stop: threading.Event = field(default_factory=threading.Event)
     _reported: threading.Lock = field(default_factory=threading.Lock)
     _beats: int = 0
     _diagnosing: bool = False
+    _terminating: bool = False
 
     def start(self) -> None:
         self._publish()
@@ -87,14 +97,21 @@ class Watch:
         self._publish()
 
     def tick(self) -> None:
+        """Progress, and the point where a deferred SIGTERM ends the rank."""
         self._last_progress = time.monotonic()
+        if self._terminating:
+            raise Terminated("terminated by SIGTERM")
 
     # ---- the background thread ---------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # While diagnosing, finish the one message first: the launcher SIGTERMs every survivor as soon
         # as one worker exits, and waits (30 s in torch elastic) before it escalates to SIGKILL.
-        if not self._diagnosing:
-            raise Terminated("terminated by SIGTERM")
+        if self._diagnosing:
+            return
+        if self.defer_sigterm:
+            self._terminating = True
+            return
+        raise Terminated("terminated by SIGTERM")
 
     def _publish(self) -> None:
         if self.store is None:

@@ -12,6 +12,7 @@ OOM killer) raises BrokenProcessPool there, where Pool waits forever.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -45,10 +46,14 @@ def map_forked(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
     from concurrent.futures import ProcessPoolExecutor
 
     _STATE.job = (fn, items)
+    # the objects made so far go to a generation no collection visits: a worker's collector would
+    # otherwise write to every object's header, copying each page of the parent's heap it touches
+    gc.freeze()
     try:
         context = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
             # chunksize 1: a block is seconds of work, and blocks differ (the last is short)
             return list(pool.map(_run, range(len(items)), chunksize=1))
     finally:
+        gc.unfreeze()
         _STATE.job = None

@@ -178,15 +178,22 @@ def block_size(ranks: int, workers: int) -> int:
     return min(RANKS_PER_BLOCK, max(MIN_RANKS_PER_BLOCK, -(-ranks // workers)))
 
 
-def in_blocks(data: _Data, make: Callable[[Any], T], join: Callable[[list[T]], T]) -> T:
+def in_blocks(
+    data: _Data,
+    make: Callable[[Any], T],
+    join: Callable[[list[T]], T],
+    slim: Callable[[T], T] | None = None,
+) -> T:
     """`make(data)`, computed RANKS_PER_BLOCK ranks at a time (in parallel: `parallel.map_blocks`) and
-    joined in rank order; one call for a smaller job."""
+    joined in rank order; one call for a smaller job. `slim`: what of a block's result `join` does not
+    read is dropped where the block ran, before it is pickled back (a fit's points: 24 MB a block)."""
     ranks = data.ranks()
     size = block_size(len(ranks), width())
     if len(ranks) <= size:
         return make(data)
     blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
+    run = make if slim is None else lambda block: slim(make(block))
     # a block's `_DataBlock` is made where it runs (its converted columns die with it); forked workers
     # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
-    remote = Remote(apply=make, payload=lambda b: _DataBlock(data, list(b)).packed(), owner=data)
-    return join(map_blocks(lambda b: make(_DataBlock(data, list(b))), blocks, remote=remote))
+    remote = Remote(apply=run, payload=lambda b: _DataBlock(data, list(b)).packed(), owner=data)
+    return join(map_blocks(lambda b: run(_DataBlock(data, list(b))), blocks, remote=remote))

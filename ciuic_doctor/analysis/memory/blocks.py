@@ -141,7 +141,10 @@ class _PackedColumns:
     def flat(self, name: str) -> np.ndarray:
         import numpy as np
 
-        return self._columns.get(name, np.empty(0))
+        values = self._columns.get(name, np.empty(0))
+        if not values.flags.aligned:  # Dask's frames can put a buffer at any byte: numpy's loops are
+            values = self._columns[name] = values.copy()  # several times slower on such an array
+        return values
 
     def host(self, key: int) -> str | None:
         return self._hosts.get(key)

@@ -22,6 +22,14 @@ previous row's, divided by its growth in records (≤ 1.00: no faster than linea
     .venv/bin/python benchmarks/report_scale.py --sizes 1024x2000,10000x1000 --root /tmp/rs --browser
     .venv/bin/python benchmarks/report_scale.py --sizes 1024x2000 --profile-hang   # hang's share, cProfile
     .venv/bin/python benchmarks/report_scale.py --cpu-only    # the issue-15 generator (no GPU fields)
+    .venv/bin/python benchmarks/report_scale.py --sizes 100000x100 --root /tmp/rs --keep --browser
+
+Each size is reported three times: `first` parses the JSONL (its columnar copy removed before) and
+writes the copy; `second` reads the copy (no JSON parsed), analyses again (`--reanalyze`) and must name
+the same findings; `again` is a plain `report` of the unchanged run (its findings are current: only the
+page is built, from the copy). Goals: 10,000 ×
+1,000 first ≤ 60 s, second ≤ 20 s, ≤ 3 GB; 100,000 × 100 (100,000 step files: the file-count cost)
+≤ 120 s, ≤ 4 GB, report.html ≤ 5 MB.
 
 Runs are written under --root (default: a temporary folder; use /tmp, not the repository: 10,000 ranks
 is ~10 GB) and deleted after their row unless --keep; --reuse takes a run kept under --root before
@@ -44,16 +52,28 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-GOALS = {1024: (30.0, 2e9, 3 * 2**20), 10000: (120.0, 4e9, None)}  # wall s, peak RSS bytes, html bytes
+# (ranks, which report) -> wall s, peak RSS bytes, html bytes. The first report parses the JSONL and
+# writes the columnar copy (ciuic_doctor/rundir/columnar); the second reads the copy.
+GOALS = {
+    (1024, "first"): (30.0, 2e9, 3 * 2**20),
+    (10000, "first"): (60.0, 3e9, None),
+    (10000, "second"): (20.0, 3e9, None),
+    (100000, "first"): (120.0, 4e9, 5 * 2**20),
+    (100000, "second"): (120.0, 4e9, 5 * 2**20),
+}
 SIZES = ((8, 2000), (64, 2000), (256, 2000), (1024, 2000), (10000, 1000))
 
 
-def report(run: Path, profile: Path | None = None) -> tuple[float, float, int]:
-    """(wall s, CPU s, peak RSS bytes) of one `ciuic-doctor report` process."""
+def report(
+    run: Path, profile: Path | None = None, extra: list[str] | None = None, reanalyze: bool = True
+) -> tuple[float, float, int]:
+    """(wall s, CPU s, peak RSS bytes) of one `ciuic-doctor report` process (the whole process tree: a
+    report's worker processes are waited for by it, so wait4's usage counts them)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("CIUIC_RUN_DIR", None)
     head = [sys.executable, "-m", "cProfile", "-o", str(profile)] if profile else [sys.executable]
-    argv = [*head, "-m", "ciuic_doctor", "report", str(run), "--reanalyze", "--quiet"]
+    again = ["--reanalyze"] if reanalyze else []
+    argv = [*head, "-m", "ciuic_doctor", "report", str(run), *again, "--quiet", *(extra or [])]
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -154,6 +174,14 @@ def main() -> None:
     parser.add_argument(
         "--profile-hang", action="store_true", help="run each report once more under cProfile"
     )
+    parser.add_argument(
+        "--first-only",
+        action="store_true",
+        help="only the first report (JSONL parsed, columnar copy written), not the later ones (copy read)",
+    )
+    parser.add_argument(
+        "--report-args", default="", help="more arguments for each report, e.g. '--jobs 1' (one string)"
+    )
     args = parser.parse_args()
     from tests import scalesynth
 
@@ -162,7 +190,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(f"{os.cpu_count()} CPUs; load average at start {os.getloadavg()[0]:.1f}", flush=True)
     print(
-        f"{'ranks × steps':>14} {'records':>9} {'streams':>9} {'load':>5} {'wall s':>7} {'CPU s':>6} "
+        f"{'ranks × steps':>14} {'records':>9} {'streams':>9} {'report':>6} {'load':>5} {'wall s':>7} "
+        f"{'CPU s':>6} "
         f"{'peak RSS':>9} {'html':>8} {'findings':>8}  straggler  leak grower slow-host  others  "
         f"{'CPU µs/rec':>10} {'growth':>6}",
         flush=True,
@@ -180,25 +209,41 @@ def main() -> None:
         made = "reused" if reused else f"generated in {time.perf_counter() - t0:.0f} s"
         stream_bytes = sum(p.stat().st_size for p in run.glob("*.jsonl"))
         records = records_of(run)
-        load = os.getloadavg()[0]
-        wall, cpu, rss = report(run)
-        html = (run / "report.html").stat().st_size
-        seen = named(run, plan)
-        growth = "" if previous is None else f"{(cpu / previous[0]) / (records / previous[1]):.2f}"
-        previous = (cpu, records)
-        yes = {True: "named", False: "MISSED", None: "n/a"}
-        print(
-            f"{ranks:>6} × {steps:<5} {records:>9} {stream_bytes / 2**20:6.0f} Mi {load:5.1f} {wall:7.1f} "
-            f"{cpu:6.1f} {rss / 2**20:6.0f} Mi {html / 2**20:5.2f} Mi {seen['findings']:8d}  "
-            f"{yes[seen['straggler']]:>9} {yes[seen['leak']]:>5} {yes[seen['grower']]:>6} "
-            f"{yes[seen['slow_host']]:>9}  {','.join(seen['others']) or '-':>6}  {1e6 * cpu / records:10.2f} "
-            f"{growth:>6}",
-            flush=True,
-        )
-        if ranks in GOALS:
-            goal_wall, goal_rss, goal_html = GOALS[ranks]
-            html_part = "" if goal_html is None else f", report.html {html / goal_html:.2f}"
-            print(f"    of the goal: wall {wall / goal_wall:.2f}, peak RSS {rss / goal_rss:.2f}{html_part}")
+        extra = args.report_args.split()
+        for which in ("first",) if args.first_only else ("first", "second", "again"):
+            if which == "first":  # the JSONL parsed, as by a run's first report
+                shutil.rmtree(run / "columnar", ignore_errors=True)
+            load = os.getloadavg()[0]
+            wall, cpu, rss = report(run, extra=extra, reanalyze=which != "again")
+            html = (run / "report.html").stat().st_size
+            seen = named(run, plan)
+            growth = ""
+            if which == "first":
+                growth = "" if previous is None else f"{(cpu / previous[0]) / (records / previous[1]):.2f}"
+                previous = (cpu, records)
+            yes = {True: "named", False: "MISSED", None: "n/a"}
+            print(
+                f"{ranks:>6} × {steps:<5} {records:>9} {stream_bytes / 2**20:6.0f} Mi {which:>6} {load:5.1f} "
+                f"{wall:7.1f} {cpu:6.1f} {rss / 2**20:6.0f} Mi {html / 2**20:5.2f} Mi {seen['findings']:8d}  "
+                f"{yes[seen['straggler']]:>9} {yes[seen['leak']]:>5} {yes[seen['grower']]:>6} "
+                f"{yes[seen['slow_host']]:>9}  {','.join(seen['others']) or '-':>6}  "
+                f"{1e6 * cpu / records:10.2f} {growth:>6}",
+                flush=True,
+            )
+            if (ranks, which) in GOALS:
+                goal_wall, goal_rss, goal_html = GOALS[ranks, which]
+                html_part = "" if goal_html is None else f", report.html {html / goal_html:.2f}"
+                print(
+                    f"    of the goal: wall {wall / goal_wall:.2f}, CPU {cpu / goal_wall:.2f}, "
+                    f"peak RSS {rss / goal_rss:.2f}{html_part}"
+                )
+            findings = json.loads((run / "findings.json").read_text())["findings"]
+            if which == "first":
+                first_findings = findings
+            elif findings != first_findings:
+                print("    SECOND REPORT'S FINDINGS DIFFER FROM THE FIRST'S", flush=True)
+            else:
+                print("    findings identical to the first report's", flush=True)
         if args.browser:
             print(f"    {browser(run)}", flush=True)
         if args.profile_hang:

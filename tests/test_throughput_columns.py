@@ -168,3 +168,21 @@ def test_grouped_median_and_in_order_equal_the_lexsort(seed):
         keys = [np.sort(k) for k in keys]
     identity = np.array_equal(np.lexsort(keys), np.arange(12))
     assert in_order(*keys) == identity
+
+
+def test_goodput_evidence_keeps_the_worst_ranks_not_every_rank():
+    from ciuic_doctor.analysis.throughput import goodput_finding
+    from ciuic_doctor.rundir.findings import EVIDENCE_RANKS
+
+    figures = dict.fromkeys(("wall_s", "productive_s", "startup_s", "skipped_s", "over_typical_s"), 1.0)
+    good = {
+        rank: {**figures, "goodput": 0.9, "goodput_after_startup": 0.99 - rank / 1e6, "typical_step_s": 1.0,
+               "steps": 100}
+        for rank in range(5000)
+    }  # fmt: skip
+    finding = goodput_finding(good)
+    kept = finding.evidence["ranks"]
+    assert len(kept) == EVIDENCE_RANKS < len(good)
+    assert list(kept)[:2] == ["4999", "4998"]  # worst first
+    assert finding.evidence["ranks_judged"] == 5000
+    assert len(json.dumps(finding.to_dict())) < 64 * 400

@@ -5,6 +5,10 @@ what every probe appends to); the analyses and the report read the Parquet copy 
 file is unchanged, and the JSONL again as soon as it grows. Every copy is read back and compared with
 the JSONL's records before it is kept, so a copy never differs from its source.
 
+It also writes the columnar copy of the steps and memwatch streams (RUN/columnar/, a Parquet dataset
+partitioned by rank block: ciuic_doctor/rundir/columnar/README.md) that a report otherwise writes the
+first time it reads a big run, so that even the first report parses no JSON.
+
 Examples:
     ciuic-doctor compact reports/big-run
     ciuic-doctor compact reports/big-run --stream steps      # only the steps stream
@@ -86,6 +90,24 @@ def run(args: argparse.Namespace) -> int:
         f"{sum(r.records for r in results)} records, "
         f"{sum(r.skipped_lines for r in results)} torn line(s) skipped"
     )
+    failed.extend(_columnar_copies(run_dir, args))
     for line in irregular + failed:
         print(f"ciuic-doctor compact: not compacted: {line}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _columnar_copies(run_dir, args: argparse.Namespace) -> list[str]:
+    """The run's columnar copy of each big stream selected; what could not be written, one line each."""
+    from ciuic_doctor.rundir.frames import STREAM_COLUMNS, columnar_copy
+
+    problems = []
+    for stream in STREAM_COLUMNS:
+        if (args.stream and stream not in args.stream) or not run_dir.has_stream(stream):
+            continue
+        read = columnar_copy(run_dir, stream)
+        if read.copy_id is None:
+            problems.extend(run_dir.notes)
+            run_dir.notes.clear()
+        elif not args.quiet:
+            print(f"  columnar/{stream}: {read.rows} records")
+    return problems

@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"report written in {took:.1f} s{' (analyses run first)' if result.analysed else ''}:")
     for name, path in result.paths.items():
         print(f"  {name:22s} {path}")
+    for note in run_dir.notes:
+        print(f"  note: {note}", file=sys.stderr)
     if not args.quiet:
         print(result.closing_line())  # the last line: what is left to verify, and the command that does
     return 0

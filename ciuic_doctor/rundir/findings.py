@@ -19,6 +19,9 @@ from typing import Any, Literal
 Verdict = Literal["pass", "warn", "fail", "not_run"]
 Confidence = Literal["high", "medium", "low"]
 VERDICTS: tuple[Verdict, ...] = ("fail", "warn", "pass", "not_run")  # worst first, for sorting
+# Per-rank figures a finding's evidence keeps: findings.json and the report embed the evidence, and one
+# entry per rank was 27 MB of a 100,000-rank report (its goodput); the rest is in steps_per_rank.csv.
+EVIDENCE_RANKS = 64
 CONFIDENCES: tuple[Confidence, ...] = ("high", "medium", "low")
 
 
@@ -90,3 +93,16 @@ def overall_verdict(findings: list[Finding]) -> Verdict:
         if verdict in present:
             return verdict
     return "not_run"
+
+
+def some_ranks(per_rank: dict[Any, Any], order: list[Any] | None = None) -> dict[str, Any]:
+    """At most EVIDENCE_RANKS entries of a per-rank mapping, in `order` (worst first; default: its own),
+    keyed by str(rank) as JSON keys are.
+
+    >>> some_ranks({r: r * 2 for r in range(100)}, order=[99, 3])
+    {'99': 198, '3': 6}
+    >>> len(some_ranks({r: 0 for r in range(100)}))
+    64
+    """
+    keys = list(per_rank) if order is None else order
+    return {str(k): per_rank[k] for k in keys[:EVIDENCE_RANKS]}

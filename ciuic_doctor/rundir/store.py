@@ -159,7 +159,7 @@ _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
 # arms it, writing hang.rank<R>.armed.json, before rank 0 has written meta.json; `hang --pid --out D`
 # writes only hang.* files).
 _RUN_ENTRY = re.compile(
-    r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|observed\.rank\d+\.json|checkpoints|checkpoint-check)$"
+    r"^(\..*|.*\.(jsonl|log|pickle|parquet)|hang\..+|observed\.rank\d+\.json|checkpoints|checkpoint-check|columnar)$"
 )
 
 
@@ -205,6 +205,7 @@ class RunDir:
         self.meta_problems: list[str] = []  # what read_meta had to drop, for the report to say
         self.read_problems: dict[str, str] = {}  # stream -> what its reader skipped (StreamRead.problems)
         self._irregular: dict[str, str] = {}  # stream -> its files that are not regular files
+        self.notes: list[str] = []  # what a reader could not do for later readers (a columnar copy)
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"

@@ -45,7 +45,7 @@ from ciuic_doctor.analysis.steps.crossrank import (
 )
 from ciuic_doctor.analysis.steps.grid import TIMES, matrix_from_table
 from ciuic_doctor.measures.ranks import CHECKSUM_RTOL, differing_ranks  # noqa: F401 - part of this module's API
-from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.findings import Finding, some_ranks
 from ciuic_doctor.rundir.store import RunDir, as_float
 
 STREAMS = ("steps",)
@@ -107,7 +107,8 @@ def rank_desync_finding(checks: list[_desync.StepChecks]) -> Finding:
                 evidence={
                     "step": check.step,
                     "ranks": ranks,
-                    "checksums": check.values(),
+                    "checksums": _reference_and(check.values(), ranks),
+                    "ranks_checked": len(check.ranks),
                     "checked_steps": len(checks),
                     "desynced_checks": sum(1 for c in checks if c.differing()),
                 },
@@ -126,10 +127,20 @@ def rank_desync_finding(checks: list[_desync.StepChecks]) -> Finding:
         evidence={
             "step": last.step,
             "ranks": [],
-            "checksums": last.values(),
+            "checksums": some_ranks(last.values()),  # all equal: a few stand for them
+            "ranks_checked": len(last.ranks),
             "checked_steps": len(checks),
         },
     )
+
+
+def _reference_and(values: dict[str, float], ranks: list[int]) -> dict[str, float]:
+    """The reference rank's checksum (the first) and the differing ranks', at most EVIDENCE_RANKS."""
+    keys = list(values)
+    if not keys:  # a step only desync reports name: no checksum to show
+        return {}
+    by_rank = {int(float(key)): key for key in keys}
+    return some_ranks(values, [keys[0], *(by_rank[r] for r in ranks if r in by_rank)])
 
 
 # ---- pace: step_time (chronic), straggler_onset (from step k), slow_host -----------------------------

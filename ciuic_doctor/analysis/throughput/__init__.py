@@ -27,7 +27,7 @@ from typing import Any
 from ciuic_doctor.analysis.stats.signs import Signs, from_counts
 from ciuic_doctor.mfu.flops import CONVENTION_NOTES, ConfigError, flops_per_token
 from ciuic_doctor.mfu.peak import peak_tflops
-from ciuic_doctor.rundir.findings import Finding
+from ciuic_doctor.rundir.findings import Finding, some_ranks
 from ciuic_doctor.rundir.store import RunDir, as_float
 
 STREAMS = ("steps",)
@@ -118,7 +118,11 @@ def throughput_finding(rates: dict[int, float]) -> Finding:
         verdict="pass",
         summary=f"{total:,.0f} tokens/s over {len(rates)} rank(s) (median of steady steps; slowest rank "
         f"{ranks[0]}: {rates[ranks[0]]:,.0f} tokens/s)",
-        evidence={"tokens_per_s": total, "tokens_per_s_per_rank": {str(r): v for r, v in rates.items()}},
+        evidence={
+            "tokens_per_s": total,
+            "tokens_per_s_per_rank": some_ranks(rates, sorted(rates, key=rates.__getitem__)),  # slowest first
+            "ranks_measured": len(rates),
+        },
         where={"ranks": ranks},
     )
 
@@ -281,6 +285,6 @@ def goodput_finding(good: dict[int, dict[str, float]], signs: Signs | None = Non
         f"{worst['productive_s']:.1f} s productive of {worst['wall_s']:.1f} s; "
         f"{worst['over_typical_s']:.1f} s in steps longer than the typical {worst['typical_step_s']:.3f} s "
         f"{longer}, {worst['skipped_s']:.1f} s in skipped steps" + note,
-        evidence={"ranks": {str(r): v for r, v in good.items()}, "threshold": GOODPUT_WARN},
+        evidence={"ranks": some_ranks(good, ranks), "ranks_judged": len(good), "threshold": GOODPUT_WARN},
         where={"ranks": ranks[:8]},
     )

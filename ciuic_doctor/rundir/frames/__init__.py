@@ -37,7 +37,6 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +44,12 @@ from ciuic_doctor.rundir import columnar_schema
 from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
 from ciuic_doctor.rundir.frames.assemble import Assembler, add_big, plain_strings, task_bytes
 from ciuic_doctor.rundir.frames.parts import BigFile, Part, _batches, _read_batch, _read_range
+from ciuic_doctor.rundir.frames.tableread import TableRead
 from ciuic_doctor.rundir.frames.values import float_values, whole_values
-from ciuic_doctor.rundir.store import RunDir, StreamRead
+from ciuic_doctor.rundir.store import RunDir
 from ciuic_doctor.rundir.stream_read import _open_regular
 
 if TYPE_CHECKING:
-    import pandas
     import pyarrow
     import pyarrow.json
 
@@ -67,54 +66,6 @@ __all__ = [
 ]
 
 MAX_THREADS = 8
-
-
-@dataclass(kw_only=True)
-class TableRead:
-    """What a columnar read found: the table, and what it had to drop (lines) or null (values)."""
-
-    table: pyarrow.Table
-    files: list[Path] = field(default_factory=list)
-    dropped_lines: int = 0
-    nulled_values: dict[str, int] = field(default_factory=dict)
-    invalid_records: int = 0
-    invalid_reasons: dict[str, int] = field(default_factory=dict)
-    parquet_files: int = 0
-
-    def frame(self) -> pandas.DataFrame:
-        """The table as pandas (numpy-backed columns; null ints become float NaN), one block per column:
-        pandas' default consolidation stacks every float column into one new 2-D block (a second copy of
-        them all at its peak; 1.2 GB for the report's steps columns at 10,000 ranks), and a column without
-        nulls stays a view of the table instead of a copy."""
-        return self.table.to_pandas(split_blocks=True)
-
-    @property
-    def rows(self) -> int:
-        return self.table.num_rows
-
-    def select(self, columns: Sequence[str], *, encoded: bool = False) -> TableRead:
-        """The same read, `columns` only (counts kept: they describe the files, not the columns), with
-        plain strings where the cached table keeps a column dictionary-encoded (`frames.assemble`), or
-        with the codes as they are (`encoded`: for a reader that looks up a few values, such as a rank's
-        host; the plain copy of a host column is 120 MB at 10,000 ranks × 1,000 steps)."""
-        table = self.table.select(list(dict.fromkeys(columns)))
-        return TableRead(
-            table=table if encoded else plain_strings(table),
-            files=self.files,
-            dropped_lines=self.dropped_lines,
-            nulled_values=self.nulled_values,
-            invalid_records=self.invalid_records,
-            invalid_reasons=self.invalid_reasons,
-            parquet_files=self.parquet_files,
-        )
-
-    def problems(self) -> str | None:
-        """What was skipped, in the row reader's words (`StreamRead.problems`); None when nothing was."""
-        return StreamRead(
-            skipped_lines=self.dropped_lines,
-            invalid_records=self.invalid_records,
-            invalid_reasons=self.invalid_reasons,
-        ).problems()
 
 
 # ---- one file ------------------------------------------------------------------------------------
@@ -424,12 +375,36 @@ def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bo
         read = cached[1]
     else:
         _CACHE.pop(key, None)
-        read = read_table(files, [*columns, *STREAM_COLUMNS.get(stream, ())], stream, encoded=True)
+        read = _read_through_copy(run, stream, files, [*columns, *STREAM_COLUMNS.get(stream, ())])
         while len(_CACHE) >= CACHED_STREAMS:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (stamp, read)
     _note_problems(run, stream, read)
     return read.select(columns, encoded=encoded)
+
+
+def columnar_copy(run: RunDir, stream: str) -> TableRead:
+    """The stream read through its columnar copy, the copy written whatever the stream's size (`compact`
+    makes it ahead of the first report); `read.copy_id` is None when it could not be (`run.notes`)."""
+    files = run.stream_files(stream)
+    return _read_through_copy(run, stream, files, list(STREAM_COLUMNS[stream]), threshold=0)
+
+
+def _read_through_copy(
+    run: RunDir, stream: str, files: list[Path], columns: list[str], *, threshold: int | None = None
+) -> TableRead:
+    """The stream from its columnar copy when one matches the files as they are now; else from the JSONL,
+    and then (a big stream, in a writable run) the copy is written for the next report (`copies`)."""
+    from ciuic_doctor.rundir.frames import copies
+
+    plan = copies.plan(stream, files, threshold) if stream in STREAM_COLUMNS else None
+    if plan is None:
+        return read_table(files, columns, stream, encoded=True)
+    if (read := copies.load(run, plan, columns)) is not None:
+        return read
+    read = read_table(files, columns, stream, encoded=True)
+    copies.save(run, plan, read)
+    return read
 
 
 def _note_problems(run: RunDir, stream: str, read: TableRead) -> None:

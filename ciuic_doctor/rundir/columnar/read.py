@@ -1,0 +1,150 @@
+"""Reading a stream's columnar copy back: the whole stream in its order (a report), or the rows of some
+ranks (one block of the per-block checks, on whichever machine runs it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ciuic_doctor.rundir.columnar.layout import (
+    RANKS_PER_PART,
+    ROW_COLUMN,
+    Manifest,
+    PartInfo,
+    read_manifest,
+    sources_of,
+    stream_dir,
+)
+
+if TYPE_CHECKING:
+    import pyarrow
+
+MAX_PART_BYTES = 64 * 2**30  # the cap of a stream file: a part holds at most a stream's records
+
+
+class StaleCopy(LookupError):
+    """The copy is absent, stale (its sources changed) or not the one the caller planned with."""
+
+
+def fresh_manifest(run_path: Path, stream: str, files: list[Path]) -> Manifest | None:
+    """The copy's manifest when it was made from `files` exactly as they are now (name, size, mtime)."""
+    manifest = read_manifest(run_path, stream)
+    if manifest is None:
+        return None
+    try:
+        now = sources_of(files)
+    except OSError:
+        return None
+    return manifest if now == manifest.sources else None
+
+
+def _read_part(run_path: Path, stream: str, part: PartInfo, columns: list[str]) -> pyarrow.Table:
+    """One part, `columns` only, opened without following a symlink anywhere below the run folder."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    from ciuic_doctor.rundir import safe_io
+
+    path = stream_dir(run_path, stream) / part.path
+    fd = safe_io.open_regular(path, max_bytes=MAX_PART_BYTES, root=Path(run_path))
+    with os.fdopen(fd, "rb") as fh:
+        table = pq.read_table(fh, columns=columns, use_threads=False)
+    if table.num_rows != part.rows:
+        raise StaleCopy(f"{part.path}: {table.num_rows} rows, the manifest says {part.rows}")
+    return table
+
+
+def _as_written(table: pyarrow.Table, manifest: Manifest) -> pyarrow.Table:
+    """`table` with each column of the type the manifest names; `StaleCopy` when one differs. Parquet
+    names a list's field "element" where arrow named it "item": that column is cast back, the only
+    difference a copy may have."""
+    import pyarrow as pa
+
+    for index, column in enumerate(table.schema):
+        if column.name == ROW_COLUMN:
+            continue
+        expected = manifest.columns.get(column.name)
+        if str(column.type) == expected:
+            continue
+        if pa.types.is_list(column.type) and str(pa.list_(column.type.value_type)) == expected:
+            table = table.set_column(
+                index, column.name, table.column(index).cast(pa.list_(column.type.value_type))
+            )
+            continue
+        raise StaleCopy(f"column {column.name} is {column.type}, the manifest says {expected}")
+    return table
+
+
+def load(run_path: Path, manifest: Manifest, columns: Sequence[str]) -> pyarrow.Table:
+    """`columns` of every record, in the stream's order; `StaleCopy` when a part does not match the
+    manifest (the caller reads the JSONL instead)."""
+    import numpy as np
+    import pyarrow as pa
+
+    wanted = list(dict.fromkeys(columns))
+    if not set(wanted) <= set(manifest.columns):
+        raise StaleCopy("the copy lacks a column asked for")
+    read = wanted if manifest.ordered else [*wanted, ROW_COLUMN]
+    threads = max(1, min(8, len(manifest.parts)))
+    with ThreadPoolExecutor(max_workers=threads) as pool:  # pyarrow's decoder releases the GIL
+        parts = list(pool.map(lambda p: _read_part(run_path, manifest.stream, p, read), manifest.parts))
+    if not parts:
+        from ciuic_doctor.rundir.columnar_schema import schema_for
+
+        return schema_for(wanted).empty_table()
+    table = pa.concat_tables(parts)
+    del parts  # the table holds the parts' buffers; the list would keep them past the reordering
+    table = _as_written(table, manifest)
+    if not manifest.ordered:
+        places = table.column(ROW_COLUMN).to_numpy()
+        if len(places) != manifest.rows or not np.array_equal(np.sort(places), np.arange(manifest.rows)):
+            raise StaleCopy("the parts' row places are not the stream's rows once each")
+        table = _reordered(table.drop_columns([ROW_COLUMN]), pa.array(np.argsort(places, kind="stable")))
+    return table  # chunked as the parts are: combining would copy a 10,000-rank stream once more
+
+
+def _reordered(table: pyarrow.Table, order: pyarrow.Array) -> pyarrow.Table:
+    """`table.take(order)` a column at a time, each source column let go once taken: the peak is the
+    table and one column, not two tables (a 10,000-rank memwatch stream is ~1 GB)."""
+    import pyarrow as pa
+
+    names, taken = table.column_names, []
+    for name in names:
+        taken.append(table.column(name).take(order))
+        table = table.drop_columns([name])
+    return pa.table(dict(zip(names, taken, strict=True)))
+
+
+def read_ranks(
+    run_path: Path, stream: str, ranks: Sequence[int], columns: Sequence[str], *, copy_id: str
+) -> pyarrow.Table:
+    """The rows of `ranks` (records with those ranks), `columns` only, in the stream's order, from the
+    copy whose manifest has `copy_id` (the one the caller checked fresh; `StaleCopy` otherwise). Reads only
+    the parts that hold those ranks: a block's worth of a 100,000-rank stream, not the stream.
+
+    This is what a worker on another machine calls for its block (it shares the run folder, as the
+    nodes of a cluster share a file system)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    manifest = read_manifest(run_path, stream)
+    if manifest is None or manifest.copy_id != copy_id:
+        raise StaleCopy(f"{stream}: the columnar copy is not the one the report checked")
+    wanted = list(dict.fromkeys(columns))
+    blocks = {int(r) // RANKS_PER_PART for r in ranks}
+    chosen = [p for p in manifest.parts if p.rank_block in blocks]
+    read = [*dict.fromkeys([*wanted, "rank"]), *([] if manifest.ordered else [ROW_COLUMN])]
+    if not chosen:
+        from ciuic_doctor.rundir.columnar_schema import schema_for
+
+        return schema_for(wanted).empty_table()
+    table = pa.concat_tables([_read_part(run_path, stream, p, read) for p in chosen])
+    table = _as_written(table, manifest)
+    table = table.filter(pc.is_in(table["rank"], value_set=pa.array(sorted(set(ranks)), pa.int64())))
+    if not manifest.ordered:
+        table = table.take(pa.array(np.argsort(table.column(ROW_COLUMN).to_numpy(), kind="stable")))
+    return table.select(wanted).combine_chunks()

@@ -1,0 +1,65 @@
+"""What a columnar read of a stream found: the table, and what the reader dropped or nulled on the way."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ciuic_doctor.rundir.frames.assemble import plain_strings
+from ciuic_doctor.rundir.store import StreamRead
+
+if TYPE_CHECKING:
+    import pandas
+    import pyarrow
+
+
+@dataclass(kw_only=True)
+class TableRead:
+    """What a columnar read found: the table, and what it had to drop (lines) or null (values)."""
+
+    table: pyarrow.Table
+    files: list[Path] = field(default_factory=list)
+    dropped_lines: int = 0
+    nulled_values: dict[str, int] = field(default_factory=dict)
+    invalid_records: int = 0
+    invalid_reasons: dict[str, int] = field(default_factory=dict)
+    parquet_files: int = 0
+    copy_id: str | None = None  # the columnar copy read or written (`rundir.columnar`), for block readers
+
+    def frame(self) -> pandas.DataFrame:
+        """The table as pandas (numpy-backed columns; null ints become float NaN), one block per column:
+        pandas' default consolidation stacks every float column into one new 2-D block (a second copy of
+        them all at its peak; 1.2 GB for the report's steps columns at 10,000 ranks), and a column without
+        nulls stays a view of the table instead of a copy."""
+        return self.table.to_pandas(split_blocks=True)
+
+    @property
+    def rows(self) -> int:
+        return self.table.num_rows
+
+    def select(self, columns: Sequence[str], *, encoded: bool = False) -> TableRead:
+        """The same read, `columns` only (counts kept: they describe the files, not the columns), with
+        plain strings where the cached table keeps a column dictionary-encoded (`frames.assemble`), or
+        with the codes as they are (`encoded`: for a reader that looks up a few values, such as a rank's
+        host; the plain copy of a host column is 120 MB at 10,000 ranks × 1,000 steps)."""
+        table = self.table.select(list(dict.fromkeys(columns)))
+        return TableRead(
+            table=table if encoded else plain_strings(table),
+            files=self.files,
+            dropped_lines=self.dropped_lines,
+            nulled_values=self.nulled_values,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
+            parquet_files=self.parquet_files,
+            copy_id=self.copy_id,
+        )
+
+    def problems(self) -> str | None:
+        """What was skipped, in the row reader's words (`StreamRead.problems`); None when nothing was."""
+        return StreamRead(
+            skipped_lines=self.dropped_lines,
+            invalid_records=self.invalid_records,
+            invalid_reasons=self.invalid_reasons,
+        ).problems()

@@ -1,0 +1,244 @@
+"""The columnar copy (ciuic_doctor/rundir/columnar): the first report of a big run writes it, later reports
+read it instead of the JSONL, with the same table, the same counts and the same findings; a copy that
+does not match the files (grown, planted, hand-edited) is never used; other engines read the layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ciuic_doctor.rundir import columnar, frames
+from ciuic_doctor.rundir.store import RunDir
+from tests.scalesynth import generate, gpu_plan
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ["rank", *frames.STREAM_COLUMNS["steps"]]
+
+
+@pytest.fixture(autouse=True)
+def _always_copy(monkeypatch):
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", "0")  # a test run is small: copy it anyway
+    frames.clear_cache()
+    yield
+    frames.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def run_2100(tmp_path_factory) -> Path:
+    """3 rank blocks (2,100 ranks × 6 steps), memwatch in one shared file with ranks interleaved."""
+    return generate(tmp_path_factory.mktemp("col") / "run", gpu_plan(2100, 6))
+
+
+@pytest.fixture(scope="module")
+def run_small(tmp_path_factory) -> Path:
+    """A run a report reads in seconds (the findings' equality; the blocks are tested in-process)."""
+    return generate(tmp_path_factory.mktemp("col") / "run", gpu_plan(48, 60))
+
+
+def _copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(run), str(out)], check=True)
+    subprocess.run(["rm", "-rf", str(out / "columnar")], check=True)
+    return out
+
+
+def _json_read(run: Path, stream: str, columns: list[str]) -> frames.TableRead:
+    run_dir = RunDir.open(run)
+    return frames.read_table(run_dir.stream_files(stream), columns, stream, encoded=True)
+
+
+def _report(run: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CIUIC_COLUMNAR_MIN_BYTES": "0", "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "ciuic_doctor", "report", str(run), "--reanalyze", "--quiet", *extra]
+    return subprocess.run(argv, check=False, capture_output=True, text=True, env=env, timeout=600)
+
+
+def _findings(run: Path) -> list:
+    return json.loads((run / "findings.json").read_text())["findings"]
+
+
+def test_first_report_writes_the_copy_and_the_second_reads_it_with_the_same_findings(run_small, tmp_path):
+    run = _copy_of(run_small, tmp_path)
+    first = _report(run)
+    assert first.returncode in (0, 1), first.stderr
+    manifest = json.loads((run / "columnar" / "steps" / "manifest.json").read_text())
+    assert manifest["rows"] == 48 * 60
+    assert manifest["ordered"] is True
+    assert len(manifest["sources"]) == 48
+    memwatch = json.loads((run / "columnar" / "memwatch" / "manifest.json").read_text())
+    assert memwatch["ordered"] is False  # one shared file, ranks interleaved: parts carry _row
+    findings = _findings(run)
+    copies = {p: p.stat().st_mtime_ns for p in (run / "columnar").rglob("*.parquet")}
+
+    second = _report(run)
+    assert second.returncode == first.returncode, second.stderr
+    assert _findings(run) == findings
+    assert {p: p.stat().st_mtime_ns for p in (run / "columnar").rglob("*.parquet")} == copies  # not rewritten
+
+
+def test_the_copy_gives_the_json_readers_table_in_its_order(run_2100, tmp_path, monkeypatch):
+    run = _copy_of(run_2100, tmp_path)
+
+    memwatch_columns = ["rank", *frames.STREAM_COLUMNS["memwatch"]]
+    from_json = {s: _json_read(run, s, c) for s, c in (("steps", STEPS), ("memwatch", memwatch_columns))}
+    written = RunDir.open(run)
+    for stream, columns in (("steps", STEPS), ("memwatch", memwatch_columns)):
+        assert frames.read_stream(written, stream, columns, encoded=True).copy_id is not None
+    blocks = sorted(p.name for p in (run / "columnar" / "steps").iterdir() if p.is_dir())
+    assert blocks == ["rank_block=0", "rank_block=1", "rank_block=2"]
+    memwatch = json.loads((run / "columnar" / "memwatch" / "manifest.json").read_text())
+    assert memwatch["ordered"] is False  # one shared file, ranks interleaved: its parts carry _row
+
+    frames.clear_cache()
+
+    def no_json(*args, **kwargs):
+        raise AssertionError("the JSONL was parsed although a fresh copy exists")
+
+    monkeypatch.setattr(frames, "read_table", no_json)
+    again = RunDir.open(run)
+    for stream, columns in (("steps", STEPS), ("memwatch", memwatch_columns)):
+        read = frames.read_stream(again, stream, columns, encoded=True)
+        assert read.table.cast(from_json[stream].table.schema).equals(from_json[stream].table)
+
+
+def test_a_stream_that_grew_is_read_from_its_jsonl_and_its_copy_rewritten(run_2100, tmp_path):
+    run = _copy_of(run_2100, tmp_path)
+    frames.read_stream(RunDir.open(run), "steps", STEPS)
+    first_id = columnar.layout.read_manifest(run, "steps").copy_id
+    line = (run / "steps.rank7.jsonl").read_text().splitlines()[-1]
+    record = json.loads(line)
+    record["step"] += 1
+    with open(run / "steps.rank7.jsonl", "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+    frames.clear_cache()
+    read = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    assert read.rows == 2100 * 6 + 1
+    manifest = columnar.layout.read_manifest(run, "steps")
+    assert manifest.copy_id != first_id
+    assert manifest.rows == 2100 * 6 + 1
+
+
+def test_what_the_reader_dropped_is_counted_the_same_from_the_copy(tmp_path):
+    run = generate(tmp_path / "run", gpu_plan(8, 12))
+    with open(run / "steps.rank3.jsonl", "a") as fh:
+        fh.write('{"rank": 3, "step": "not a step", "t": 1.0}\n')  # off the schema
+        fh.write("not json\n")
+        fh.write('{"rank": 3, "step": 99, "t": 2.0')  # torn last line
+    before = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    frames.clear_cache()
+    after = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    assert after.copy_id == before.copy_id  # read from the copy
+    assert (after.dropped_lines, after.invalid_records) == (before.dropped_lines, before.invalid_records)
+    assert after.dropped_lines == 2
+    assert after.invalid_records == 1
+    assert after.problems() == before.problems()
+
+
+def test_a_planted_or_edited_copy_is_not_read(run_2100, tmp_path):
+    run = _copy_of(run_2100, tmp_path)
+    truth = frames.read_stream(RunDir.open(run), "steps", STEPS).table
+    part = run / "columnar" / "steps" / "rank_block=1" / "part-0.parquet"
+    outside = tmp_path / "outside.parquet"
+    part.rename(outside)
+    part.symlink_to(outside)  # a symlink in place of a part: never followed
+    frames.clear_cache()
+    read = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    assert read.table.equals(truth)
+    assert not part.is_symlink()  # the copy was rewritten from the JSONL
+
+    manifest_path = run / "columnar" / "steps" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["parts"][0]["rows"] += 1  # no longer adds up
+    manifest_path.write_text(json.dumps(manifest))
+    assert columnar.layout.read_manifest(run, "steps") is None
+    frames.clear_cache()
+    assert frames.read_stream(RunDir.open(run), "steps", STEPS).table.equals(truth)
+
+
+def test_a_symlinked_copy_folder_is_not_written_through_and_the_report_says_so(run_small, tmp_path):
+    run = _copy_of(run_small, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "columnar").symlink_to(elsewhere)
+    result = _report(run)
+    assert result.returncode in (0, 1), result.stderr
+    assert list(elsewhere.iterdir()) == []
+    assert "no columnar copy of steps written" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_one_block_is_read_alone_in_the_streams_order(run_2100, tmp_path):
+    run = _copy_of(run_2100, tmp_path)
+    memwatch_columns = ["rank", *frames.STREAM_COLUMNS["memwatch"]]
+    for stream, columns in (("steps", STEPS), ("memwatch", memwatch_columns)):
+        whole = frames.read_stream(RunDir.open(run), stream, columns, encoded=True)
+        ranks = list(range(1024, 2048))
+        block = columnar.read_ranks(run, stream, ranks, ["rank", "t"], copy_id=whole.copy_id)
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        expected = whole.table.filter(pc.is_in(whole.table["rank"], value_set=pa.array(ranks))).select(
+            ["rank", "t"]
+        )
+        assert block.num_rows == expected.num_rows > 0
+        assert block.equals(expected.combine_chunks())
+        with pytest.raises(columnar.StaleCopy):
+            columnar.read_ranks(run, stream, ranks, ["rank"], copy_id="not-this-copy")
+
+
+def test_other_engines_read_the_layout_as_it_is(run_2100, tmp_path):
+    import pyarrow.dataset as ds
+
+    run = _copy_of(run_2100, tmp_path)
+    frames.read_stream(RunDir.open(run), "steps", STEPS)
+    dataset = ds.dataset(
+        run / "columnar" / "steps", format="parquet", partitioning="hive", exclude_invalid_files=True
+    )
+    block = dataset.to_table(columns=["rank"], filter=ds.field("rank_block") == 2)
+    assert block.num_rows == (2100 - 2048) * 6
+    assert sorted(set(block.column("rank").to_pylist())) == list(range(2048, 2100))
+
+
+def test_compact_writes_the_copy_so_even_the_first_report_parses_no_json(run_small, tmp_path, monkeypatch):
+    run = _copy_of(run_small, tmp_path)
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", str(2**40))  # a report would not copy a run this small
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "ciuic_doctor", "compact", str(run)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"columnar/steps: {48 * 60} records" in done.stdout
+    assert (run / "columnar" / "memwatch" / "manifest.json").is_file()
+
+    def no_json(*args, **kwargs):
+        raise AssertionError("the JSONL was parsed although compact wrote a fresh copy")
+
+    monkeypatch.setattr(frames, "read_table", no_json)
+    assert frames.read_stream(RunDir.open(run), "steps", STEPS).rows == 48 * 60
+
+
+def test_a_loss_that_went_nan_is_kept_as_nan(tmp_path):
+    run = generate(tmp_path / "run", gpu_plan(4, 10))
+    path = run / "steps.rank2.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[-1])
+    record["loss"] = "nan"  # what the store writes for a non-finite float
+    lines[-1] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    first = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    frames.clear_cache()
+    again = frames.read_stream(RunDir.open(run), "steps", STEPS)
+    assert again.copy_id == first.copy_id  # from the copy
+    rows = again.table.select(["rank", "step", "loss"]).to_pylist()
+    last = max((r for r in rows if r["rank"] == 2), key=lambda r: r["step"])
+    assert last["loss"] != last["loss"]  # NaN, as the JSONL reader read it
+    assert sum(r["loss"] != r["loss"] for r in rows) == 1

@@ -203,10 +203,11 @@ def main() -> int:
     scheduler, procs = (args.scheduler, []) if args.scheduler else start_cluster(args.jobs, out)
     try:
         for run in args.runs:
-            print(f"{run}: the memory checks (read once, then interleaved)", flush=True)
-            child = [sys.executable, __file__, "--child", str(run), "--rounds", str(args.rounds)]
-            child += ["--jobs", str(args.jobs), *(["--scheduler", scheduler] if scheduler else [])]
-            subprocess.run(child, check=False)
+            if args.rounds > 0:  # --rounds 0: whole reports only
+                print(f"{run}: the memory checks (read once, then interleaved)", flush=True)
+                child = [sys.executable, __file__, "--child", str(run), "--rounds", str(args.rounds)]
+                child += ["--jobs", str(args.jobs), *(["--scheduler", scheduler] if scheduler else [])]
+                subprocess.run(child, check=False)
             if args.report:
                 print(f"{run}: whole reports", flush=True)
                 modes = [("1 core", ["--jobs", "1"]), (f"{args.jobs} cores", ["--jobs", str(args.jobs)])]

@@ -189,6 +189,42 @@ def test_forked_workers_share_the_parent_memory_and_run_in_other_processes():
         assert {r[1] for r in map_blocks(work, list(range(3)))} == {parent}
 
 
+def _worker_pid(block: object) -> int:
+    return os.getpid()
+
+
+def _as_given(owner: object, item: object) -> object:
+    return item
+
+
+class _Owner:
+    """What an owner pool's workers inherit (a weak reference can point at it)."""
+
+
+def test_an_owners_jobs_share_workers_forked_once_and_its_end_stops_them():
+    """Jobs with the same owner (the memory analysis's five passes over one `_Data`) run in the same
+    two forked workers; when the owner goes, so do they."""
+    import gc
+
+    from ciuic_doctor.parallel import Remote, forked, map_blocks, using
+
+    owner = _Owner()
+    remote = Remote(apply=_worker_pid, payload=lambda item: item, owner=owner, local=_as_given)
+    with using(jobs=2):
+        first = set(map_blocks(_worker_pid, [0, 1, 2, 3], remote=remote))
+        second = set(map_blocks(_worker_pid, [0, 1, 2, 3], remote=remote))
+        assert os.getpid() not in first
+        assert first == second
+        assert len(first) <= 2
+        pool = forked._POOLS[owner][0]
+        workers = list(pool._processes.values())
+        del owner, remote
+        gc.collect()
+        for worker in workers:
+            worker.join(timeout=30)
+        assert not any(worker.is_alive() for worker in workers)
+
+
 def test_a_scheduler_that_does_not_answer_is_one_line(run):
     closed = f"tcp://127.0.0.1:{_free_port()}"
     for address in (closed, "nonsense://here:1"):

@@ -40,6 +40,9 @@ class Remote:
     apply: Callable[[Any], Any]
     payload: Callable[[Any], Any]
     owner: object | None = None
+    # (owner, item) -> what `apply` takes, made in a forked worker from the owner it inherited: with it
+    # (and `apply` picklable by reference), the owner's jobs share workers forked once
+    local: Callable[[Any, Any], Any] | None = None
 
 
 @dataclass
@@ -65,6 +68,9 @@ def using(jobs: int | None = None, scheduler: str | None = None) -> Iterator[Non
     try:
         yield
     finally:
+        from ciuic_doctor.parallel.forked import close_pools
+
+        close_pools()
         _PLAN.jobs, _PLAN.dask = before
         if session is not None:
             session.close()
@@ -98,6 +104,18 @@ def map_blocks(fn: Callable[[T], R], items: Sequence[T], *, remote: Remote | Non
     count = workers(len(items))
     if count == 1:
         return [fn(item) for item in items]
-    from ciuic_doctor.parallel.forked import map_forked
+    from ciuic_doctor.parallel.forked import map_forked, map_owned
 
+    if remote is not None and remote.owner is not None and remote.local is not None and _picklable(remote):
+        return map_owned(remote.apply, remote.local, remote.owner, items, count)
     return map_forked(fn, items, count)
+
+
+def _picklable(remote: Remote) -> bool:
+    import pickle
+
+    try:
+        pickle.dumps((remote.apply, remote.local))
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
+    return True

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 
 class _State:
     job: tuple[Callable[[Any], Any], Sequence[Any]] | None = None  # what the next fork inherits
+    owner: Any = None  # what an owner's pool inherits (`map_owned`)
     in_worker = False  # set in a forked worker: a job inside a block runs there, serially
 
 
@@ -57,3 +59,59 @@ def map_forked(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
     finally:
         gc.unfreeze()
         _STATE.job = None
+
+
+# owner -> (its pool, workers): the workers forked while it lived, kept for its later jobs
+_POOLS: weakref.WeakKeyDictionary[Any, tuple[Any, int]] = weakref.WeakKeyDictionary()
+
+
+def map_owned(
+    apply: Callable[[Any], Any],
+    local: Callable[[Any, Any], Any],
+    owner: Any,
+    items: Sequence[Any],
+    workers: int,
+) -> list[Any]:
+    """[apply(local(owner, item)) for item in items] in `workers` processes forked once for `owner`.
+
+    A fresh worker faults in every page of its temporaries: forked per pass, the memory checks' five
+    passes at 1,024 ranks cost 7.0 s of CPU against 5.1 s on one core. Forked once per owner (the
+    memory analysis's data), a worker reuses its heap from pass to pass. `apply` and `local` travel
+    pickled (module functions or partials of them); `owner` is inherited, never pickled."""
+    pool = _pool_for(owner, workers)
+    futures = [pool.submit(_run_owned, apply, local, item) for item in items]
+    return [future.result() for future in futures]
+
+
+def _run_owned(apply: Callable[[Any], Any], local: Callable[[Any, Any], Any], item: Any) -> Any:
+    _STATE.in_worker = True
+    return apply(local(_STATE.owner, item))
+
+
+def _pool_for(owner: Any, workers: int) -> Any:
+    from concurrent.futures import ProcessPoolExecutor
+
+    kept = _POOLS.get(owner)
+    if kept is not None and kept[1] == workers:
+        return kept[0]
+    if kept is not None:
+        kept[0].shutdown(wait=False)
+    _STATE.owner = owner
+    gc.freeze()  # as in map_forked
+    try:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        # with fork, every worker starts at the first submit: now, while the owner is set
+        list(pool.map(int, range(workers)))
+    finally:
+        gc.unfreeze()
+        _STATE.owner = None
+    _POOLS[owner] = (pool, workers)
+    weakref.finalize(owner, pool.shutdown, wait=False)  # the owner gone, its workers go
+    return pool
+
+
+def close_pools() -> None:
+    """Stop every owner's workers (the command's `parallel.using` ends)."""
+    for pool, _ in list(_POOLS.values()):
+        pool.shutdown(wait=True)
+    _POOLS.clear()

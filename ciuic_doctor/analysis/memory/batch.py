@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.analysis.memory.blocks import _DataBlock, in_blocks
@@ -346,7 +347,7 @@ def _device_fits(data: _Data) -> RankFits:
 
 def steps_fits(data: _Data, name: str, ranks: list[int] | None = None) -> RankFits:
     """One step field of every rank (or of `ranks`) against steps, and its trend (a block at a time)."""
-    return fits_in_blocks(data, lambda block: _steps_fits(block, name, ranks))
+    return fits_in_blocks(data, partial(_steps_fits, name=name, ranks=ranks))
 
 
 def _steps_fits(data: _Data, name: str, ranks: list[int] | None) -> RankFits:

@@ -18,6 +18,7 @@ made once and kept on the cluster for the following passes (`parallel.Remote`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ciuic_doctor.parallel import Remote, map_blocks, width
@@ -195,8 +196,16 @@ def in_blocks(
     if len(ranks) <= size:
         return make(data)
     blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
-    run = make if slim is None else lambda block: slim(make(block))
+    run = make if slim is None else partial(_slimmed, make, slim)
     # a block's `_DataBlock` is made where it runs (its converted columns die with it); forked workers
     # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
-    remote = Remote(apply=run, payload=lambda b: _DataBlock(data, list(b)).packed(), owner=data)
-    return join(map_blocks(lambda b: run(_DataBlock(data, list(b))), blocks, remote=remote))
+    remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
+    return join(map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote))
+
+
+def _block_of(data: _Data, ranks: tuple[int, ...]) -> _DataBlock:
+    return _DataBlock(data, list(ranks))
+
+
+def _slimmed(make: Callable[[Any], T], slim: Callable[[T], T], block: Any) -> T:
+    return slim(make(block))

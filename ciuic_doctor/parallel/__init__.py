@@ -5,7 +5,8 @@ read only their own rows; this layer runs those blocks, in item order, on one of
 
 - serial: one core, in this process (`--jobs 1`; and any job of one block: nothing to share);
 - forked (the default): `usable_cores()` worker processes forked from this one, which inherit the
-  tables already read — no data is pickled on the way in (`parallel.forked`);
+  tables already read — no data is pickled on the way in (`parallel.forked`); the jobs of one owner
+  (the memory analysis's data: five passes) share workers forked once;
 - Dask distributed (`--scheduler ADDRESS`): the blocks' arrays shipped to the cluster's workers once,
   every pass sent to them (`parallel.on_dask`); a job that cannot be shipped (no `remote`) runs forked.
 

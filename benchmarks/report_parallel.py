@@ -71,15 +71,15 @@ def run_checks(run: Path, modes: list[tuple[str, dict]], rounds: int) -> None:
             if fresh and (round_no, name) != (1, modes[0][0]):
                 data = _Data(RunDir.open(run))
             try:
-                with using(**plan):
+                load = os.getloadavg()[0]
+                wall, cpu = time.perf_counter(), cpu_s(resource.RUSAGE_SELF)
+                children = cpu_s(resource.RUSAGE_CHILDREN)
+                with using(**plan):  # its end stops the forked workers: their CPU counts once reaped
                     dask = _dask_cpu(plan)
-                    load = os.getloadavg()[0]
-                    wall, cpu = time.perf_counter(), cpu_s(resource.RUSAGE_SELF)
-                    children = cpu_s(resource.RUSAGE_CHILDREN)
                     found = [*leak_findings(data), *cuda_findings(data), *worker_findings(data)]
-                    wall = time.perf_counter() - wall
-                    cpu = cpu_s(resource.RUSAGE_SELF) - cpu + cpu_s(resource.RUSAGE_CHILDREN) - children
                     remote = _dask_cpu(plan) - dask if dask is not None else 0.0
+                wall = time.perf_counter() - wall
+                cpu = cpu_s(resource.RUSAGE_SELF) - cpu + cpu_s(resource.RUSAGE_CHILDREN) - children
             except Exception as exc:
                 print(f"  round {round_no} {name:8s} not run: {' '.join(str(exc).split())}", flush=True)
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 # The largest number any option takes: 1e9 s is 31 years, 1e9 steps or calls more than any run makes.
 # Larger values only ever overflowed (timedelta(seconds=1e308), time.sleep(1e308)).
@@ -97,3 +98,29 @@ def add_set(parser: argparse.ArgumentParser, what: str) -> None:
         default=[],
         help=f"{what} (job-spec key, TOML value; repeatable)",
     )
+
+
+def add_parallel(parser: argparse.ArgumentParser) -> None:
+    """--jobs and --scheduler: where the report's per-block checks run (`ciuic_doctor.parallel`)."""
+    group = parser.add_argument_group("where the report's checks run")
+    group.add_argument(
+        "--jobs",
+        type=positive_int,
+        metavar="N",
+        help="worker processes for the per-block checks (default: every usable core; 1: one core). "
+        "The findings are the same to the bit",
+    )
+    group.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="run the per-block checks on this Dask scheduler's workers, e.g. tcp://host:8786 "
+        "(pip install 'ciuic-doctor[dask]'; ciuic_doctor/parallel/README.md: workers on Slurm)",
+    )
+
+
+def parallel_from_args(args: argparse.Namespace) -> Any:
+    """The context the command's report is built in: `parallel.using(jobs, scheduler)`; a scheduler that
+    does not answer is refused here, with one line, before anything runs."""
+    from ciuic_doctor.parallel import using
+
+    return using(jobs=getattr(args, "jobs", None), scheduler=getattr(args, "scheduler", None))

@@ -43,6 +43,8 @@ FORBIDDEN["mfu"] = FORBIDDEN["measures"]  # FLOPs and peaks: pure arithmetic on 
 # through them, so they import nothing above them
 FORBIDDEN["rundir"] = FORBIDDEN["measures"] | {"importers", "live", "verify", "mfu"}
 FORBIDDEN["machine"] = FORBIDDEN["rundir"] | {"rundir"}
+# running blocks on every core or a Dask cluster: below everything that has blocks to run
+FORBIDDEN["parallel"] = FORBIDDEN["rundir"] | {"rundir", "machine", "cluster"}
 # the scheduler (Slurm): allocations, nodes, job steps; the run directory names records by its node
 FORBIDDEN["cluster"] = FORBIDDEN["machine"] | {"machine", "launch"}
 # checkup runs phases; it names them itself and never reaches up into the sub-commands

@@ -195,18 +195,26 @@ def test_blocks_of_ranks_without_memwatch_or_cuda_fields_change_no_finding(tmp_p
 def test_blocks_of_ranks_convert_only_their_own_rows(judged, monkeypatch):
     """In blocks, no memory check makes a job-wide float64 copy of a steps or memwatch column (80 MB each
     at 10,000 ranks × 1,000 steps) and no joined fit keeps its points; host and role stay dictionary
-    codes while the checks run, and a joined fit still gives any rank's series (made again from it)."""
-    import pyarrow as pa
-
+    codes while the checks run, and a joined fit still gives any rank's series (made again from it).
+    On one core: forked workers' copies would die with them, unseen here."""
     from ciuic_doctor.analysis.memory import blocks as _memory_blocks
-    from ciuic_doctor.analysis.memory.batch import host_fits
-    from ciuic_doctor.analysis.memory.cuda import cuda_findings
     from ciuic_doctor.analysis.memory.data import _Data
-    from ciuic_doctor.analysis.memory.leaks import leak_findings
+    from ciuic_doctor.parallel import using
 
     path, _ = judged
     monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 6)
     data = _Data(RunDir.open(path))
+    with using(jobs=1):  # the blocks run here, where a job-wide column would be seen
+        _convert_only_own_rows(data)
+
+
+def _convert_only_own_rows(data):
+    import pyarrow as pa
+
+    from ciuic_doctor.analysis.memory.batch import host_fits
+    from ciuic_doctor.analysis.memory.cuda import cuda_findings
+    from ciuic_doctor.analysis.memory.leaks import leak_findings
+
     assert pa.types.is_dictionary(data.steps._table["host"].type)
     assert pa.types.is_dictionary(data.memwatch._table["role"].type)
     flagged = [f for f in [*leak_findings(data), *cuda_findings(data)] if f.verdict in ("warn", "fail")]

@@ -19,7 +19,14 @@ import time
 from pathlib import Path
 
 from ciuic_doctor.checkup.phases import CPU_MAX_BYTES, MEMWATCH_INTERVAL_S, Checkup, parse_skip
-from ciuic_doctor.cli_args import add_out, add_set, positive_float, positive_int
+from ciuic_doctor.cli_args import (
+    add_out,
+    add_parallel,
+    add_set,
+    parallel_from_args,
+    positive_float,
+    positive_int,
+)
 from ciuic_doctor.commands.verify import add_budget
 
 NAME = "checkup"
@@ -74,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="recommended.env/.toml: add the changes that did not help or were not tried, commented out",
     )
+    add_parallel(parser)
     script = parser.add_argument_group("your own script: checkup [options] -- train.py [args]")
     script.add_argument(
         "--dataset",
@@ -97,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with parallel_from_args(args):  # a --scheduler that does not answer is refused before any phase
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ciuic_doctor.checkup import script as checkup_script
     from ciuic_doctor.rundir.store import default_run_path
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from ciuic_doctor.cli_args import add_parallel, parallel_from_args
+
 NAME = "report"
 HELP = "write report.html, recommended.env/.toml, recommendations.json and summary.md for a run directory"
 ORDER = 70
@@ -34,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recommended.env/.toml: add the changes not shown to help on the job (verify), commented out",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the paths, not the summary")
+    add_parallel(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,18 +52,19 @@ def run(args: argparse.Namespace) -> int:
     run_dir = RunDir.open(args.run)
     run_dir.claim_outputs()  # a folder of the user's own *.jsonl keeps its own summary.md
     # a 10,000-rank run takes about two minutes: a terminal sees which stage it is in
-    stage = StageLine("report", sys.stderr)
-    try:
-        result = build_report(
-            run_dir,
-            spec_path=args.spec,
-            analyze=True if args.reanalyze else None,
-            baseline=baseline,
-            include_unverified=args.include_unverified,
-            progress=stage,
-        )
-    finally:
-        stage.done()
+    with parallel_from_args(args):
+        stage = StageLine("report", sys.stderr)
+        try:
+            result = build_report(
+                run_dir,
+                spec_path=args.spec,
+                analyze=True if args.reanalyze else None,
+                baseline=baseline,
+                include_unverified=args.include_unverified,
+                progress=stage,
+            )
+        finally:
+            stage.done()
     if not args.quiet:
         print(result.summary)
     took = time.perf_counter() - start

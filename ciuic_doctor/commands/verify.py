@@ -24,7 +24,7 @@ import argparse
 import signal
 import sys
 
-from ciuic_doctor.cli_args import positive_float, positive_int
+from ciuic_doctor.cli_args import add_parallel, parallel_from_args, positive_float, positive_int
 
 NAME = "verify"
 HELP = "try each recommended change on the job, interleaved A/B, and keep only what helps"
@@ -71,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="recommended.env/.toml: add the changes that did not help or were not tried, commented out",
     )
+    add_parallel(parser)
 
 
 def add_budget(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +97,11 @@ def add_budget(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with parallel_from_args(args):  # a --scheduler that does not answer is refused before any run
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from ciuic_doctor.report import build_report
     from ciuic_doctor.rundir.store import RunDir
     from ciuic_doctor.verify import lines, options_from_args, verify_run

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.analysis.memory.blocks import _DataBlock, in_blocks
@@ -235,7 +236,7 @@ def fits_in_blocks(data: _Data, make: Callable[[Any], RankFits]) -> RankFits:
     """`make(data)` a block of ranks at a time (`memory.blocks.in_blocks`), joined; a rank's series is
     then made again from that rank's rows alone when asked (the same series: every rule is per rank,
     tests/test_scale_gpu.py checks each one against one block's)."""
-    fits = in_blocks(data, make, join_fits)
+    fits = in_blocks(data, make, join_fits, slim=without_points)
     if fits.points is None:  # `ranks`, not `fits`: a closure over fits would keep `data` in a cycle
         ranks = fits.ranks
         fits.remake = lambda i: make(_DataBlock(data, [ranks[i]]))
@@ -346,7 +347,7 @@ def _device_fits(data: _Data) -> RankFits:
 
 def steps_fits(data: _Data, name: str, ranks: list[int] | None = None) -> RankFits:
     """One step field of every rank (or of `ranks`) against steps, and its trend (a block at a time)."""
-    return fits_in_blocks(data, lambda block: _steps_fits(block, name, ranks))
+    return fits_in_blocks(data, partial(_steps_fits, name=name, ranks=ranks))
 
 
 def _steps_fits(data: _Data, name: str, ranks: list[int] | None) -> RankFits:
@@ -391,6 +392,12 @@ def _start(data: _Data, index: _Index) -> np.ndarray | None:
     if not data.first_step:
         return None
     return np.array([data.first_step.get(r, -np.inf) for r in index.ranks], dtype=float)
+
+
+def without_points(fits: RankFits) -> RankFits:
+    """A block's fits as `join_fits` reads them: without their points."""
+    fits.points = None
+    return fits
 
 
 def join_fits(parts: list[RankFits]) -> RankFits:

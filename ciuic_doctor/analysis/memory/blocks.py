@@ -9,12 +9,19 @@ those passes belongs to one rank and reads only that rank's rows, so the job is 
 RANKS_PER_BLOCK ranks, each pass runs on a `_DataBlock` (the block's step rows, a slice; its
 processes' memwatch samples, gathered), and the per-rank results are joined (`memory.batch.join_fits`).
 The block size changes no figure (tests/test_scale_gpu.py compares them to the last bit).
+
+The blocks are independent, so `parallel.map_blocks` runs them on every core (forked workers read the
+tables of this process) or on a Dask cluster, where a block travels as a `_PackedBlock`: its arrays,
+made once and kept on the cluster for the following passes (`parallel.Remote`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from ciuic_doctor.parallel import Remote, map_blocks, width
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,6 +29,9 @@ if TYPE_CHECKING:
     from ciuic_doctor.analysis.memory.data import _Data
 
 RANKS_PER_BLOCK = 1024  # 1,024 ranks × 1,000 steps: ~1 M points a pass, ~25 MB per temporary
+# with several workers a job is cut into at least one block each, but none under this: below ~500 ranks
+# the checks take well under a second and a fork per pass would cost more than it saves
+MIN_RANKS_PER_BLOCK = 256
 
 T = TypeVar("T")
 
@@ -93,11 +103,109 @@ class _DataBlock:
     def rank_pid(self, rank: int) -> int | None:
         return self._pids[rank]
 
+    def packed(self) -> _PackedBlock:
+        """This block as arrays only: what a Dask worker needs, pickled without the job's tables."""
+        from ciuic_doctor.analysis.memory.columns import NUMERIC
+        from ciuic_doctor.analysis.memory.steps import StepColumns
 
-def in_blocks(data: _Data, make: Callable[[Any], T], join: Callable[[list[T]], T]) -> T:
-    """`make(data)`, computed RANKS_PER_BLOCK ranks at a time and joined; one call for a smaller job."""
+        steps = {n: self.steps.flat(n) for n in StepColumns.COLUMNS if n != "host"}
+        memwatch = {n: self.memwatch.flat(n) for n in NUMERIC}
+        return _PackedBlock(
+            ranks=self._ranks,
+            pids=self._pids,
+            first_step=self.first_step,
+            steps=_PackedColumns(steps, {r: self.steps.host(r) for r in self._ranks}, len(self.steps)),
+            memwatch=_PackedColumns(
+                memwatch,
+                {p: self.memwatch.host(p) for p in self.memwatch.bounds()},
+                len(self.memwatch.bounds()),
+                self.memwatch.bounds(),
+            ),
+        )
+
+
+class _PackedColumns:
+    """A `_StepsBlock` or `_MemwatchBlock` with its columns converted: flat, host, bounds, len."""
+
+    def __init__(
+        self,
+        columns: dict[str, np.ndarray],
+        hosts: dict[int, str | None],
+        size: int,
+        bounds: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
+        self._columns, self._hosts, self._size, self._bounds = columns, hosts, size, bounds or {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def flat(self, name: str) -> np.ndarray:
+        import numpy as np
+
+        values = self._columns.get(name, np.empty(0))
+        if not values.flags.aligned:  # Dask's frames can put a buffer at any byte: numpy's loops are
+            values = self._columns[name] = values.copy()  # several times slower on such an array
+        return values
+
+    def host(self, key: int) -> str | None:
+        return self._hosts.get(key)
+
+    def bounds(self) -> dict[int, tuple[int, int]]:
+        return self._bounds
+
+
+class _PackedBlock:
+    """`_DataBlock`'s interface over arrays it holds: a block that can leave this process."""
+
+    def __init__(self, *, ranks, pids, first_step, steps: _PackedColumns, memwatch: _PackedColumns) -> None:
+        self._ranks, self._pids, self.first_step = ranks, pids, first_step
+        self.steps, self.memwatch = steps, memwatch
+
+    def ranks(self) -> list[int]:
+        return self._ranks
+
+    def rank_pid(self, rank: int) -> int | None:
+        return self._pids[rank]
+
+
+def block_size(ranks: int, workers: int) -> int:
+    """Ranks per block: RANKS_PER_BLOCK, or fewer so that `workers` workers each get one (never fewer
+    than MIN_RANKS_PER_BLOCK). Every figure is per rank, so the size changes none of them.
+
+    >>> [block_size(10_000, 2), block_size(1024, 1), block_size(1024, 2), block_size(700, 4)]
+    [1024, 1024, 512, 256]
+    >>> block_size(300, 2)
+    1024
+    """
+    if workers <= 1 or ranks < 2 * MIN_RANKS_PER_BLOCK:
+        return RANKS_PER_BLOCK
+    return min(RANKS_PER_BLOCK, max(MIN_RANKS_PER_BLOCK, -(-ranks // workers)))
+
+
+def in_blocks(
+    data: _Data,
+    make: Callable[[Any], T],
+    join: Callable[[list[T]], T],
+    slim: Callable[[T], T] | None = None,
+) -> T:
+    """`make(data)`, computed RANKS_PER_BLOCK ranks at a time (in parallel: `parallel.map_blocks`) and
+    joined in rank order; one call for a smaller job. `slim`: what of a block's result `join` does not
+    read is dropped where the block ran, before it is pickled back (a fit's points: 24 MB a block)."""
     ranks = data.ranks()
-    if len(ranks) <= RANKS_PER_BLOCK:
+    size = block_size(len(ranks), width())
+    if len(ranks) <= size:
         return make(data)
-    starts = range(0, len(ranks), RANKS_PER_BLOCK)
-    return join([make(_DataBlock(data, ranks[i : i + RANKS_PER_BLOCK])) for i in starts])
+    blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
+    run = make if slim is None else partial(_slimmed, make, slim)
+    # a block's `_DataBlock` is made where it runs (its converted columns die with it); forked workers
+    # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
+    remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
+    return join(map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote))
+
+
+def _block_of(data: _Data, ranks: tuple[int, ...]) -> _DataBlock:
+    return _DataBlock(data, list(ranks))
+
+
+def _slimmed(make: Callable[[Any], T], slim: Callable[[T], T], block: Any) -> T:
+    return slim(make(block))

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ciuic_doctor.analysis.memory.batch import RankFits, _assemble, _Index, join_fits, trends_of
+from ciuic_doctor.analysis.memory.batch import (
+    RankFits,
+    _assemble,
+    _Index,
+    join_fits,
+    trends_of,
+    without_points,
+)
 from ciuic_doctor.analysis.memory.blocks import _DataBlock, in_blocks
 from ciuic_doctor.analysis.memory.data import WARMUP_STEPS, _Data
 from ciuic_doctor.analysis.stats.batch_trend import RankSeries
@@ -32,10 +39,15 @@ def non_pytorch_fits(data: _Data) -> NonPytorch:
     """`memory.cuda._non_pytorch_series` of every rank: NVML's bytes at each sample minus the reserved
     bytes of the rank's last step at or before it, against the sample's (fractional) step (a block of
     ranks at a time, `memory.blocks`)."""
-    batch = in_blocks(data, _non_pytorch_fits, _join_non_pytorch)
+    batch = in_blocks(data, _non_pytorch_fits, _join_non_pytorch, slim=_without_points)
     if batch.fits.points is None:  # joined: a rank's series is made again from its rows alone
         ranks = batch.fits.ranks  # not `batch`: a closure over it would keep `data` in a cycle
         batch.fits.remake = lambda i: _non_pytorch_fits(_DataBlock(data, [ranks[i]])).fits
+    return batch
+
+
+def _without_points(batch: NonPytorch) -> NonPytorch:
+    without_points(batch.fits)
     return batch
 
 

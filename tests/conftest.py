@@ -132,6 +132,7 @@ LONGEST_FIRST = (
     "test_verify.py",  # 442 s
     "test_slurm_nodes.py",  # 405 s (checkup, verify and comm-bench on the two-node Slurm)
     "test_checkup.py",  # 341 s
+    "test_parallel_report.py",  # whole reports on one core, two, Dask and Dask on the test Slurm
     "test_watch_frameworks.py",  # 274 s
     "test_job.py",  # 238 s
     "test_healthy_jobs.py",  # 235 s
@@ -143,6 +144,8 @@ LONGEST_FIRST = (
     "test_checkup_script.py",  # 113 s
     "test_watch_patterns.py",  # 113 s
     "test_hang.py",  # 77 s in its slowest two; 17 tests
+    "test_columnar_copy.py",  # reports of a 2,100-rank run's copy
+    "test_live_waits.py",  # a torchrun job with a stuck rank
     "test_comm_bench.py",  # 18 tests of torchrun
     "test_checkpoint_check.py",
     "test_hardening_processes.py",

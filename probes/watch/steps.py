@@ -119,14 +119,16 @@ def grad_norm(optimizer: Any) -> torch.Tensor | None:
     if not grads:
         return None
     if len(grads) == 1 and not grads[0].is_sparse:  # one op, not get_total_norm's foreach + stack + norm
-        norm = torch.linalg.vector_norm(grads[0].detach())
+        grad = grads[0]
+        norm = torch.linalg.vector_norm(grad.detach() if grad.requires_grad else grad)
     else:
         norm = torch.nn.utils.get_total_norm(grads)
     # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
     grad_scale = getattr(optimizer, "grad_scale", None)
     if isinstance(grad_scale, torch.Tensor):
         norm = norm / grad_scale.to(norm.device)
-    return norm.detach()
+    # detach() is an op of its own (~1 us a step); a norm that carries no graph is kept as it is
+    return norm.detach() if norm.requires_grad else norm
 
 
 def found_inf(scaler: Any) -> dict[int, torch.Tensor]:

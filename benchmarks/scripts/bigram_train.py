@@ -18,9 +18,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--eval-every", type=int, default=300)
     parser.add_argument("--eval-iters", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32, help="sequences a step (the lecture's 32)")
+    parser.add_argument("--block", type=int, default=8, help="tokens a sequence (the lecture's 8)")
     args = parser.parse_args()
     torch.manual_seed(1337)
-    vocab, batch, block = 65, 32, 8
+    vocab, batch, block = 65, args.batch, args.block
     data = torch.randint(vocab, (200_000,))
     split = int(0.9 * len(data))
     parts = {"train": data[:split], "val": data[split:]}

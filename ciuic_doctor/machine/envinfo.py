@@ -42,7 +42,8 @@ CAPTURED_NAMES = (
 # the first @ would have cut in two (`https://<redacted>@ss@host/`). JSON escapes (`\"`) may
 # sit inside; a '/', whitespace, a quote or an angle bracket ends the authority.
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?:\\.|[^/\s\"<>\\])*@")
-_SECRET_WORD = r"(?:TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)"
+_SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+_SECRET_WORD = f"(?:{'|'.join(_SECRET_WORDS)})"
 # `--hf-token VALUE`, `--api-key=VALUE`, and the same inside a JSON list (`"--hf-token","VALUE"`): an
 # argument passed only on the command line is known by its flag's name, not by any environment value.
 _SECRET_FLAG = re.compile(
@@ -57,7 +58,6 @@ _SECRET_ASSIGNMENT = re.compile(
     r"(?P<value>\"(?:\\.|[^\"\\])*\"|'[^'\n]*'|(?<==)[^\s\"',;]+)"
 )
 _FLAG_HINT = re.compile(rf"-[\w.-]*{_SECRET_WORD}", re.IGNORECASE)  # what every _SECRET_FLAG match holds
-_ASSIGNMENT_HINT = re.compile(_SECRET_WORD)  # what every _SECRET_ASSIGNMENT match holds
 _MIN_SECRET_LEN = 4  # shorter values ("1", "yes") would scrub ordinary text; no real secret is that short
 
 
@@ -134,6 +134,13 @@ def _hide_assignment(match: re.Match[str]) -> str:
     return f"{match.group('name')}{match.group('sep')}{hidden}"
 
 
+def _has_secret_word(text: str) -> bool:
+    """A secret word in capitals is in `text` (what every _SECRET_ASSIGNMENT match holds). Six substring
+    searches: the same answer as searching for the regex alternation, which scanned a 500-character step
+    record at ~12 us (the six take ~1.5 us)."""
+    return any(map(text.__contains__, _SECRET_WORDS))
+
+
 def scrub(text: str) -> str:
     """Remove secrets from any text before it is written: secret environment values (in raw and
     JSON-escaped form), values of secret-named flags and variables, and URL credentials.
@@ -151,7 +158,7 @@ def scrub(text: str) -> str:
     # both run on every record: ~300 us a watched step, for text that cannot match either.
     if _FLAG_HINT.search(text):
         text = _SECRET_FLAG.sub(lambda m: f"{m.group('flag')}{m.group('sep')}{REDACTED}", text)
-    if _ASSIGNMENT_HINT.search(text):
+    if _has_secret_word(text):
         text = _SECRET_ASSIGNMENT.sub(_hide_assignment, text)
     return redact_url(text) if "@" in text else text
 

@@ -205,6 +205,7 @@ class WatchSession(StepRecords):
         self._broken = False
         self._closed = False
         self._backward_depth = 0
+        self._scaled = False  # a GradScaler scaled a loss: backward() may see a scaled one
         self._groups_traced = 0  # groups whose losses' graphs were walked (which parameters they reach)
         self._sharded: dict[int, bool] = {}  # id(optimizer) -> holds FSDP / DTensor shards
         self._snapshot = None
@@ -385,13 +386,15 @@ class WatchSession(StepRecords):
 
     def _on_backward(self, tensors: Any) -> None:
         if self._group.sealed:
-            self._flush_awaiting(stepped_only=True)  # a scaler that stepped but never updated
+            if self._awaiting_update:
+                self._flush_awaiting(stepped_only=True)  # a scaler that stepped but never updated
             self._group = Group()
         group = self._group
         if isinstance(tensors, (list, tuple)) and len(tensors) == 1:
             tensors = tensors[0]
         if isinstance(tensors, torch.Tensor) and tensors.numel() == 1 and not self._reevaluating:
-            group.losses.append(getattr(tensors, "_ciuic_unscaled", tensors).detach())
+            loss = getattr(tensors, "_ciuic_unscaled", tensors) if self._scaled else tensors  # a miss: ~1 us
+            group.losses.append(loss.detach())
             if self._device is None:  # the loss lives where the model does
                 self._device = tensors.device
             if self._groups_traced < TRACED_GROUPS and tensors.grad_fn is not None:
@@ -413,6 +416,7 @@ class WatchSession(StepRecords):
     def _on_scale(self, scaler: Any, outputs: Any, result: Any) -> None:
         if scaler.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
             result._ciuic_unscaled = outputs  # the loss as computed; backward() sees `result`
+            self._scaled = True
             if self._group.sealed:
                 self._flush_awaiting(stepped_only=True)
                 self._group = Group()

@@ -21,7 +21,7 @@ import torch
 from ciuic_doctor.measures.ranks import differing_ranks
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Group:
     """The backward calls since the last optimizer step: the gradients the next step(s) use."""
 
@@ -60,14 +60,26 @@ _NOT_CALLERS = tuple(
 )
 
 
+_SKIPPED: dict[Any, bool] = {}  # code object -> it is torch's or watch's (a frame to look past)
+_SKIPPED_MAX = 4096  # code objects remembered; past it the answer is computed again (a code object
+# made per call, by exec, must not grow this forever)
+
+
 def backward_site() -> tuple[Any, int] | None:
-    """(code, line) of the first frame outside torch and watch that led to this backward call."""
+    """(code, line) of the first frame outside torch and watch that led to this backward call. Each code
+    object's answer is remembered: the walk runs every backward, the answer never changes."""
     frame = sys._getframe(1)
     for _ in range(16):
         if frame is None:
             return None
-        if not frame.f_code.co_filename.startswith(_NOT_CALLERS):
-            return frame.f_code, frame.f_lineno
+        code = frame.f_code
+        skipped = _SKIPPED.get(code)
+        if skipped is None:
+            skipped = code.co_filename.startswith(_NOT_CALLERS)
+            if len(_SKIPPED) < _SKIPPED_MAX:
+                _SKIPPED[code] = skipped
+        if not skipped:
+            return code, frame.f_lineno
         frame = frame.f_back
     return None
 
@@ -107,14 +119,16 @@ def grad_norm(optimizer: Any) -> torch.Tensor | None:
     if not grads:
         return None
     if len(grads) == 1 and not grads[0].is_sparse:  # one op, not get_total_norm's foreach + stack + norm
-        norm = torch.linalg.vector_norm(grads[0].detach())
+        grad = grads[0]
+        norm = torch.linalg.vector_norm(grad.detach() if grad.requires_grad else grad)
     else:
         norm = torch.nn.utils.get_total_norm(grads)
     # Fused optimizers unscale inside their kernel: their grads still carry the loss scale here.
     grad_scale = getattr(optimizer, "grad_scale", None)
     if isinstance(grad_scale, torch.Tensor):
         norm = norm / grad_scale.to(norm.device)
-    return norm.detach()
+    # detach() is an op of its own (~1 us a step); a norm that carries no graph is kept as it is
+    return norm.detach() if norm.requires_grad else norm
 
 
 def found_inf(scaler: Any) -> dict[int, torch.Tensor]:

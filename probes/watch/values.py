@@ -243,15 +243,21 @@ def start_copy(record: dict[str, Any], lazy: dict[str, torch.Tensor | None]) -> 
     """Queue the host copies of `lazy` (CPU tensors are read at once, without any copy)."""
     pending = Pending(record=record)
     by_device: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    host_keys: list[tuple[str, int]] = []
+    host_values: list[Any] = []
     for key, tensor in lazy.items():
-        if tensor is not None:
-            by_device.setdefault(str(tensor.device), []).append((key, tensor.detach().reshape(-1)))
-    for device_key, items in by_device.items():
-        keys = [(key, tensor.numel()) for key, tensor in items]
-        if device_key == "cpu":  # host memory: read now, no copy
-            flat = [value for _, tensor in items for value in tensor.tolist()]
-            pending.host.append((keys, flat))
+        if tensor is None:
             continue
+        if tensor.device.type == "cpu":  # host memory: read now, no copy (a scalar: one .item())
+            values = [tensor.item()] if tensor.numel() == 1 else tensor.detach().reshape(-1).tolist()
+            host_keys.append((key, len(values)))
+            host_values += values
+            continue
+        by_device.setdefault(str(tensor.device), []).append((key, tensor.detach().reshape(-1)))
+    if host_keys:
+        pending.host.append((host_keys, host_values))
+    for items in by_device.values():
+        keys = [(key, tensor.numel()) for key, tensor in items]
         joined = torch.cat([tensor.to(torch.float64) for _, tensor in items])
         buffer = torch.empty(joined.numel(), dtype=torch.float64, pin_memory=True)
         with torch.cuda.device(joined.device):  # copy and event on that device's current stream

@@ -44,6 +44,7 @@ import torch
 
 from ciuic_doctor.machine.envinfo import redact_env
 from ciuic_doctor.probes.watch.observe.values import _name, _plain, hyper_parameters, yielding_sampler
+from ciuic_doctor.probes.watch.steps import accumulated
 from ciuic_doctor.probes.watch.warn_origin import call_as_caller
 
 # The variables a job sets to tune its collectives (the spec's [distributed.env]); launcher-set ones
@@ -261,8 +262,6 @@ class Observer:
     def on_any_step(self, optimizer: Any) -> None:
         """Every optimizer's step: the micro-batches it accumulated, and whether its loss reaches another
         optimizer's parameters (adversarial objectives: a GAN's generator loss goes through D)."""
-        from ciuic_doctor.probes.watch.steps import accumulated
-
         index = self._optimizer_index.get(id(optimizer))
         if index is None:  # built before watch was attached
             self.on_optimizer(optimizer)

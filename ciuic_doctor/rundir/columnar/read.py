@@ -90,13 +90,10 @@ def load(run_path: Path, manifest: Manifest, columns: Sequence[str]) -> pyarrow.
         from ciuic_doctor.rundir.columnar_schema import schema_for
 
         return schema_for(wanted).empty_table()
-    if manifest.ordered:
-        table = _as_written(pa.concat_tables(_read_parts(run_path, manifest, wanted)), manifest)
-    else:
-        table = _in_stream_order(run_path, manifest, wanted)
+    table = _in_stream_order(run_path, manifest, wanted)
     # the decoded pages and the reordering's columns, kept by the allocator: 1.7 GB at 100,000 ranks
     pa.default_memory_pool().release_unused()
-    return table  # chunked as the parts are: combining would copy a 10,000-rank stream once more
+    return table
 
 
 def _read_parts(run_path: Path, manifest: Manifest, columns: list[str]) -> list[pyarrow.Table]:
@@ -106,23 +103,30 @@ def _read_parts(run_path: Path, manifest: Manifest, columns: list[str]) -> list[
 
 
 def _in_stream_order(run_path: Path, manifest: Manifest, columns: list[str]) -> pyarrow.Table:
-    """The parts' rows put back in the stream's order, a column at a time (each read from every part,
-    then taken in order): the peak is the result and one column, not the parts and the result (a
-    100,000-rank memwatch stream is ~1 GB)."""
+    """The stream's rows in its order, one contiguous array a column, built a column at a time (each read
+    from every part, joined, and for a shuffled stream taken in order): the peak is the result and one
+    column's parts, not the parts and the result, and the columns come out as the JSONL reader makes
+    them (one chunk: a chunked column is copied by every `to_numpy`, and the analyses make dozens)."""
     import numpy as np
     import pyarrow as pa
 
-    places = np.concatenate([t.column(0).to_numpy() for t in _read_parts(run_path, manifest, [ROW_COLUMN])])
-    if len(places) != manifest.rows or not np.array_equal(np.sort(places), np.arange(manifest.rows)):
-        raise StaleCopy("the parts' row places are not the stream's rows once each")
-    order = pa.array(np.argsort(places, kind="stable"))
-    del places
+    order = None
+    if not manifest.ordered:
+        parts = _read_parts(run_path, manifest, [ROW_COLUMN])
+        places = np.concatenate([t.column(0).to_numpy() for t in parts])
+        if len(places) != manifest.rows or not np.array_equal(np.sort(places), np.arange(manifest.rows)):
+            raise StaleCopy("the parts' row places are not the stream's rows once each")
+        order = pa.array(np.argsort(places, kind="stable"))
+        del parts, places
     taken = {}
     for name in columns:
         parts = _read_parts(run_path, manifest, [name])
-        column = _as_written(pa.concat_tables(parts), manifest).column(0)
+        column = _as_written(pa.concat_tables(parts), manifest).unify_dictionaries().column(0)
         del parts
-        taken[name] = column.take(order)
+        if order is not None:
+            column = column.take(order)
+        taken[name] = column.combine_chunks()
+        del column
     return pa.table(taken)
 
 

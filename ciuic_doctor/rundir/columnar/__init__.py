@@ -11,7 +11,7 @@ readable as it is by DuckDB or pyarrow.dataset (README.md here).
     write.save(run_path, stream, sources, table, counts)      after a JSONL read: its manifest, or why not
     read.fresh_manifest(run_path, stream, files)              the copy, when it matches the files now
     read.load(run_path, manifest, columns)                    the whole stream, in its order
-    read.read_ranks(run_path, stream, ranks, columns, copy_id=...)   one block's rows, on any machine
+    read.read_ranks(run_path, stream, ranks, columns, copy_id=...)   one block's rows, where the run is
 
 A copy is data like every file of a run: its manifest is parsed field by field (`layout.parse_manifest`),
 its parts are opened without following symlinks and checked against the manifest (rows, types, row

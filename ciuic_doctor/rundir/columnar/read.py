@@ -137,8 +137,9 @@ def read_ranks(
     copy whose manifest has `copy_id` (the one the caller checked fresh; `StaleCopy` otherwise). Reads only
     the parts that hold those ranks: a block's worth of a 100,000-rank stream, not the stream.
 
-    This is what a worker on another machine calls for its block (it shares the run folder, as the
-    nodes of a cluster share a file system)."""
+    For a reader of one block on a machine that shares the run folder (an engine's worker, a query of
+    a few ranks); `report --scheduler` ships each block's arrays to Dask instead, which needs no shared
+    file system (ciuic_doctor/parallel/README.md)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc

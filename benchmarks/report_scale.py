@@ -61,6 +61,7 @@ GOALS = {
     (100000, "first"): (120.0, 4e9, 5 * 2**20),
     (100000, "second"): (120.0, 4e9, 5 * 2**20),
 }
+GROWER_VISIBLE_STEPS = 800
 SIZES = ((8, 2000), (64, 2000), (256, 2000), (1024, 2000), (10000, 1000))
 
 
@@ -98,7 +99,8 @@ def named(run: Path, plan) -> dict[str, object]:
     seen = {
         "straggler": names(plan.straggler_rank),
         "leak": names(plan.leak_rank),
-        "grower": names(plan.grower_rank),
+        # the grower's 0.5 MiB/step clears the 0.5 % floor of its ~63 GB only from ~800 steps: "n/a" before
+        "grower": names(plan.grower_rank if plan.steps >= GROWER_VISIBLE_STEPS else None),
         "slow_host": names(plan.slow_host_name, "hosts"),
     }
     expected = set().union(*(checks for _, checks in seen.values()))

@@ -102,51 +102,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Prometheus:
-    """A real Prometheus scraping the job's exporter every 1 s with the shipped rules (evaluated every
-    1 s), as tests/test_live_down.py starts it."""
-
-    def __init__(self, server: str, root: Path, export_port: int) -> None:
-        rules = REPO / "deploy/prometheus/ciuic-alerts.yml"
-        self.port = free_port()
-        (root / "prometheus.yml").write_text(
-            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            f"rule_files: [{rules}]\n"
-            "scrape_configs:\n"
-            "  - job_name: ciuic-doctor\n    honor_labels: true\n"
-            f"    static_configs: [{{targets: ['127.0.0.1:{export_port}']}}]\n"
-        )
-        self.proc = subprocess.Popen(
-            [server, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'prom'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=subprocess.DEVNULL, stderr=(root / "prometheus.log").open("w"),
-        )  # fmt: skip
-
-    def query(self, query: str) -> list[dict]:
-        import urllib.parse
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-        try:
-            with urllib.request.urlopen(url, timeout=5) as answer:
-                return json.load(answer)["data"]["result"]
-        except (OSError, ValueError, KeyError):
-            return []
-
-    def firing(self, alert: str | None = None, rank: str | None = None) -> list[dict]:
-        selector = f'alertname="{alert}", ' if alert else ""
-        found = self.query(f'ALERTS{{{selector}alertstate="firing"}}')
-        return [a for a in found if rank is None or a["metric"].get("rank") == rank]
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 class Job:
     def __init__(self, root: Path, *, world: int = 2, ckpt: int = 0, evals: int = 0, prom: bool = False):
         self.world = world
@@ -166,7 +121,14 @@ class Job:
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         server = shutil.which("prometheus") if prom else None
-        self.prometheus = Prometheus(server, root, self.export_port) if server else None
+        self.prometheus = None
+        if server:  # scrape and rule evaluation every 1 s, the shipped rules as they are
+            from tests.prometheus_server import Prometheus
+
+            rules = REPO / "deploy/prometheus/ciuic-alerts.yml"
+            self.prometheus = Prometheus(
+                server, root, export_port=self.export_port, rules=rules, port=free_port()
+            )
 
     def ready(self, steps: int = 15, timeout_s: float = 240) -> None:
         deadline = time.monotonic() + timeout_s
@@ -180,7 +142,7 @@ class Job:
         raise RuntimeError("no steps in time")
 
     def _scraped(self) -> bool:
-        return len(self.prometheus.query("ciuic_rank_up == 1")) == self.world
+        return len(self.prometheus.query("ciuic_rank_up == 1", missing_ok=True)) == self.world
 
     def pid(self, rank: int) -> int:
         return int((self.ctrl / f"pid.{rank}").read_text())
@@ -286,7 +248,7 @@ def trial(kind: str, root: Path, slow_factor: float, *, world: int, prom: bool, 
 
             def alert_loop() -> None:
                 while time.monotonic() - t0 < 150:
-                    if job.prometheus.firing(alert, "1"):
+                    if job.prometheus.firing(alert, "1", missing_ok=True):
                         out["alert_s"] = round(time.monotonic() - t0, 1)
                         return
                     time.sleep(0.5)
@@ -326,7 +288,7 @@ def healthy(root: Path, seconds: float, *, world: int, prom: bool) -> dict:
                     alarms.append(f"rank {row.rank} {row.verdict.status}: {'; '.join(row.verdict.why)}")
             if job.prometheus is not None and samples % 5 == 0:
                 fired |= {f"{a['metric']['alertname']} rank {a['metric'].get('rank')}"
-                          for a in job.prometheus.firing()}  # fmt: skip
+                          for a in job.prometheus.firing(missing_ok=True)}  # fmt: skip
             samples += 1
             time.sleep(1.0)
         steps = min(lines_in(job.run / f"steps.rank{r}.jsonl") for r in range(world))

@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_live_job import REPO, TORCHRUN, _prometheus_query, _up, free_port, wait_for
+from tests.prometheus_server import Prometheus
+from tests.test_live_job import REPO, TORCHRUN, free_port, wait_for
 
 pytestmark = pytest.mark.slow
-FIRING = 'ALERTS{alertname="CiuicRankDown", alertstate="firing"}'
 
 SCRIPT = textwrap.dedent(
     """
@@ -99,18 +99,7 @@ def test_a_rank_killed_with_sigkill_fires_the_shipped_rank_down_rule(tmp_path: P
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: [{rules}]\n"
-        "scrape_configs:\n"
-        "  - job_name: ciuic-doctor\n    honor_labels: true\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{export_port}']}}]\n"
-    )
-    prom = subprocess.Popen(
-        [server, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )  # fmt: skip
+    prom = Prometheus(server, tmp_path, export_port=export_port, rules=rules, port=prom_port)
     try:
         wait_for("both ranks training", lambda: all(os.path.exists(ready + r) for r in "01") or job.poll())
         assert job.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
@@ -125,14 +114,14 @@ def test_a_rank_killed_with_sigkill_fires_the_shipped_rank_down_rule(tmp_path: P
         up = _series(text, "ciuic_rank_up")
         assert {job_label for job_label, _ in up.values()} == {"run"}, text  # the run directory, not "none"
         assert 'job="none"' not in text
-        wait_for("prometheus ready", lambda: _up(prom_port) or prom.poll() is not None, timeout_s=60)
-        assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
-        wait_for("both ranks scraped", lambda: len(_prometheus_query(prom_port, "ciuic_rank_up == 1")) == 2)
+        wait_for("prometheus ready", lambda: prom.ready() or prom.exited(), timeout_s=60)
+        assert not prom.exited(), prom.log_tail()
+        wait_for("both ranks scraped", lambda: len(prom.query("ciuic_rank_up == 1")) == 2)
         killed_at = time.monotonic()
         os.kill(int(Path(ready + "1").read_text()), signal.SIGKILL)
         alerts = wait_for(
             "CiuicRankDown firing for rank 1",
-            lambda: [a for a in _prometheus_query(prom_port, FIRING) if a["metric"]["rank"] == "1"],
+            lambda: prom.firing("CiuicRankDown", rank="1"),
             timeout_s=for_s + 60,
             every_s=1,
         )
@@ -141,7 +130,7 @@ def test_a_rank_killed_with_sigkill_fires_the_shipped_rank_down_rule(tmp_path: P
         assert alerts[0]["metric"]["job"] == "run"
         assert for_s <= took, took
         print(f"CiuicRankDown fired {took:.1f} s after the kill (for: {for_s:g}s)")
-        finished = _prometheus_query(prom_port, "ciuic_job_finished")
+        finished = prom.query("ciuic_job_finished")
         assert [float(s["value"][1]) for s in finished] == [0.0]
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -151,5 +140,4 @@ def test_a_rank_killed_with_sigkill_fires_the_shipped_rank_down_rule(tmp_path: P
         for pid in _exporters_of(run):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        prom.terminate()
-        prom.wait(timeout=30)
+        prom.close()

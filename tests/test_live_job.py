@@ -15,14 +15,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 
 from ciuic_doctor.live.verdicts import MIN_PACE_STEPS
+from tests.prometheus_server import Prometheus
 
 pytestmark = pytest.mark.slow
 
@@ -220,23 +219,6 @@ def test_a_sigstopped_rank_is_shown_stalled_within_two_intervals_and_a_step(job)
         assert rank_line(text, 0, job["ranks"][0])[3] == "waiting", text
 
 
-def _prometheus_query(port: int, query: str) -> list[dict]:
-    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    with urllib.request.urlopen(url, timeout=5) as answer:
-        body = json.load(answer)
-    assert body["status"] == "success", body
-    return body["data"]["result"]
-
-
-def _up(port: int) -> bool:
-    with (
-        contextlib.suppress(OSError),
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2) as answer,
-    ):
-        return answer.status == 200
-    return False
-
-
 def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job, tmp_path: Path) -> None:
     server = shutil.which("prometheus")
     if server is None:
@@ -249,26 +231,13 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
     )  # fmt: skip
     rules = (REPO / "deploy/prometheus/ciuic-alerts.yml").read_text()
     (tmp_path / "rules.yml").write_text(re.sub(r"for: \S+", "for: 0s", rules))  # the rule, not its debounce
-    (tmp_path / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "rule_files: [rules.yml]\n"
-        "scrape_configs:\n"
-        "  - job_name: ciuic\n    honor_labels: true\n"
-        f"    static_configs: [{{targets: ['127.0.0.1:{export_port}']}}]\n"
-    )
-    prom = subprocess.Popen(
-        [server, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )  # fmt: skip
+    prom = Prometheus(server, tmp_path, export_port=export_port, rules=tmp_path / "rules.yml", port=prom_port)
     try:
-        wait_for("prometheus ready", lambda: _up(prom_port) or prom.poll() is not None, timeout_s=60)
-        assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
+        wait_for("prometheus ready", lambda: prom.ready() or prom.exited(), timeout_s=60)
+        assert not prom.exited(), prom.log_tail()
         series = wait_for(
             "a step-rate series per rank",
-            lambda: (
-                len(r := _prometheus_query(prom_port, "rate(ciuic_rank_steps_total[10s]) > 0")) == 2 and r
-            ),
+            lambda: len(r := prom.query("rate(ciuic_rank_steps_total[10s]) > 0")) == 2 and r,
             timeout_s=60,
             every_s=1,
         )
@@ -277,52 +246,46 @@ def test_prometheus_scrapes_a_step_rate_per_rank_and_the_stalled_alert_fires(job
         assert {s["metric"]["local_rank"] for s in series} == {"0", "1"}
         assert not any("pid" in key or "step" in key for s in series for key in s["metric"])
         # tokens/s (issue 27's `tokens` in the job's step records): a gauge per rank, the dashboard's total
-        tokens = _prometheus_query(prom_port, "ciuic_rank_tokens_per_second > 0")
+        tokens = prom.query("ciuic_rank_tokens_per_second > 0")
         assert sorted(s["metric"]["rank"] for s in tokens) == ["0", "1"]
-        total = _prometheus_query(prom_port, 'sum by (job) (ciuic_rank_tokens_per_second{job=~"livetest"})')
+        total = prom.query('sum by (job) (ciuic_rank_tokens_per_second{job=~"livetest"})')
         assert len(total) == 1
         assert float(total[0]["value"][1]) == pytest.approx(sum(float(s["value"][1]) for s in tokens))
-        counted = _prometheus_query(prom_port, "rate(ciuic_rank_tokens_total[10s]) > 0")
+        counted = prom.query("rate(ciuic_rank_tokens_total[10s]) > 0")
         assert sorted(s["metric"]["rank"] for s in counted) == ["0", "1"]
         storms = wait_for(  # overflows at steps 4..9 stay in the 100-step window for 60+ s at 0.6 s a step
             "the overflow-storm alert firing",
-            lambda: _prometheus_query(
-                prom_port, 'ALERTS{alertname="CiuicOverflowStorm", alertstate="firing"}'
-            ),
+            lambda: prom.firing("CiuicOverflowStorm"),
             timeout_s=60,
             every_s=1,
         )
         assert sorted(a["metric"]["rank"] for a in storms) == ["0", "1"]
         stragglers = wait_for(  # the repo's rule (its 5 min debounce set to 0 s) on the straggler gauge
             "the straggler alert firing",
-            lambda: _prometheus_query(
-                prom_port, 'ALERTS{alertname="CiuicRankStraggler", alertstate="firing"}'
-            ),
+            lambda: prom.firing("CiuicRankStraggler"),
             timeout_s=240,
             every_s=1,
         )
         assert [s["metric"]["rank"] for s in stragglers] == ["1"]
         assert stragglers[0]["metric"]["severity"] == "warning"
-        skipped = _prometheus_query(prom_port, "ciuic_rank_skipped_steps_total")
+        skipped = prom.query("ciuic_rank_skipped_steps_total")
         assert sorted((s["metric"]["rank"], s["value"][1]) for s in skipped) == [("0", "6"), ("1", "6")]
         with stopped(job["ranks"][1]):
             alerts = wait_for(
                 "the stalled-rank alert firing",
-                lambda: _prometheus_query(
-                    prom_port, 'ALERTS{alertname="CiuicRankStalled", alertstate="firing"}'
-                ),
+                lambda: prom.firing("CiuicRankStalled"),
                 timeout_s=60,
                 every_s=1,
             )
         assert [a["metric"]["rank"] for a in alerts] == ["1"]
     finally:
-        for proc in (prom, exporter):
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        prom.close()
+        exporter.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            exporter.wait(timeout=10)
+        if exporter.poll() is None:
+            exporter.kill()
+            exporter.wait()
 
 
 def _pane(session: str) -> str:

@@ -181,12 +181,18 @@ def fr_status() -> dict[str, Any] | None:
     return dump.get("pg_status") or {}
 
 
-def _pg_timeout_s() -> float | None:
-    """The default group's timeout, from Flight Recorder's own entries (each carries `timeout_ms`)."""
+def fr_entries(*, only_active: bool = False) -> list[dict[str, Any]]:
+    """Flight Recorder's collective entries, oldest first, without stacks (torch's own bytes, in this
+    process: not a file anyone else wrote)."""
     import pickle
 
     from torch._C._distributed_c10d import _dump_fr_trace
 
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
-    timeouts = [e["timeout_ms"] for e in dump.get("entries", []) if e.get("timeout_ms")]
+    raw = _dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)
+    return pickle.loads(raw).get("entries") or []
+
+
+def _pg_timeout_s() -> float | None:
+    """The default group's timeout, from Flight Recorder's own entries (each carries `timeout_ms`)."""
+    timeouts = [e["timeout_ms"] for e in fr_entries() if e.get("timeout_ms")]
     return timeouts[-1] / 1000 if timeouts else None

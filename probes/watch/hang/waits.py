@@ -45,12 +45,9 @@ def pending(status: dict[str, Any] | None) -> tuple[str, int] | None:
 
 def _entry(seq: int) -> dict[str, Any]:
     """Flight Recorder's entry of collective `seq` (its name and enqueue time), {} when not found."""
-    import pickle
+    from ciuic_doctor.probes.watch.hang.poll import fr_entries
 
-    from torch._C._distributed_c10d import _dump_fr_trace
-
-    dump = pickle.loads(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=True))
-    entries = dump.get("entries") or []
+    entries = fr_entries(only_active=True)
     for entry in reversed(entries):
         if entry.get("collective_seq_id") == seq:
             return entry

@@ -9,7 +9,8 @@ that grew is read from its JSONL again, and its copy rewritten). The layout is p
 readable as it is by DuckDB or pyarrow.dataset (README.md here).
 
     write.save(run_path, stream, sources, table, counts)      after a JSONL read: its manifest, or why not
-    read.fresh_manifest(run_path, stream, files)              the copy, when it matches the files now
+    layout.read_manifest(run_path, stream)                     the copy's manifest (its `sources` are
+                                                              compared with the files' lstat by the reader)
     read.load(run_path, manifest, columns)                    the whole stream, in its order
     read.read_ranks(run_path, stream, ranks, columns, copy_id=...)   one block's rows, where the run is
 
@@ -19,7 +20,7 @@ places), and anything that does not match sends the report back to the JSONL.
 """
 
 from ciuic_doctor.rundir.columnar.layout import RANKS_PER_PART, Counts, Manifest, read_manifest, stream_dir
-from ciuic_doctor.rundir.columnar.read import StaleCopy, fresh_manifest, load, read_ranks
+from ciuic_doctor.rundir.columnar.read import StaleCopy, load, read_ranks
 from ciuic_doctor.rundir.columnar.write import save
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "Counts",
     "Manifest",
     "StaleCopy",
-    "fresh_manifest",
     "load",
     "read_manifest",
     "read_ranks",

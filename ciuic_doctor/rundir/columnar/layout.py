@@ -13,7 +13,6 @@ way (the counts a report states in its `records_readable` finding must not chang
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,15 +67,6 @@ def stream_dir(run_path: Path, stream: str) -> Path:
 def part_name(rank_block: int | None) -> str:
     key = NULL_PARTITION if rank_block is None else str(rank_block)
     return f"rank_block={key}/part-0.parquet"
-
-
-def sources_of(files: list[Path]) -> list[list[Any]]:
-    """[name, size, mtime_ns] of each file (lstat: a symlink is not a source; the readers skip them)."""
-    out = []
-    for path in files:
-        info = os.lstat(path)
-        out.append([path.name, info.st_size, info.st_mtime_ns])
-    return out
 
 
 def _int(value: Any) -> bool:

@@ -14,7 +14,6 @@ from ciuic_doctor.rundir.columnar.layout import (
     Manifest,
     PartInfo,
     read_manifest,
-    sources_of,
     stream_dir,
 )
 
@@ -26,18 +25,6 @@ MAX_PART_BYTES = 64 * 2**30  # the cap of a stream file: a part holds at most a 
 
 class StaleCopy(LookupError):
     """The copy is absent, stale (its sources changed) or not the one the caller planned with."""
-
-
-def fresh_manifest(run_path: Path, stream: str, files: list[Path]) -> Manifest | None:
-    """The copy's manifest when it was made from `files` exactly as they are now (name, size, mtime)."""
-    manifest = read_manifest(run_path, stream)
-    if manifest is None:
-        return None
-    try:
-        now = sources_of(files)
-    except OSError:
-        return None
-    return manifest if now == manifest.sources else None
 
 
 def _read_part(run_path: Path, stream: str, part: PartInfo, columns: list[str]) -> pyarrow.Table:

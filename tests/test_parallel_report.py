@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -193,8 +194,28 @@ def _worker_pid(block: object) -> int:
     return os.getpid()
 
 
+def _pid_once_both_work(item: tuple[str, int]) -> int:
+    """This worker's PID, once two workers have each taken an item (a worker waits here, so the other must
+    take one): which workers ran a job is then not up to the scheduling of a loaded machine."""
+    folder = Path(item[0])
+    (folder / str(os.getpid())).touch()
+    deadline = time.monotonic() + 60
+    while len(list(folder.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid()
+
+
 def _as_given(owner: object, item: object) -> object:
     return item
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 class _Owner:
@@ -209,10 +230,10 @@ def test_an_owners_jobs_share_workers_forked_once_and_its_end_stops_them():
     from ciuic_doctor.parallel import Remote, forked, map_blocks, using
 
     owner = _Owner()
-    remote = Remote(apply=_worker_pid, payload=lambda item: item, owner=owner, local=_as_given)
-    with using(jobs=2):
-        first = set(map_blocks(_worker_pid, [0, 1, 2, 3], remote=remote))
-        second = set(map_blocks(_worker_pid, [0, 1, 2, 3], remote=remote))
+    remote = Remote(apply=_pid_once_both_work, payload=lambda item: item, owner=owner, local=_as_given)
+    with using(jobs=2), tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as two:
+        first = set(map_blocks(_pid_once_both_work, [(one, i) for i in range(4)], remote=remote))
+        second = set(map_blocks(_pid_once_both_work, [(two, i) for i in range(4)], remote=remote))
         assert os.getpid() not in first
         assert first == second
         assert len(first) <= 2
@@ -220,9 +241,12 @@ def test_an_owners_jobs_share_workers_forked_once_and_its_end_stops_them():
         workers = list(pool._processes.values())
         del owner, remote
         gc.collect()
-        for worker in workers:
-            worker.join(timeout=30)
-        assert not any(worker.is_alive() for worker in workers)
+        # asked of the system, not of `Process.is_alive`: the pool's own thread reaps its workers, and a
+        # second waitpid of one it reaped leaves the Process object saying "alive" for ever
+        deadline = time.monotonic() + 30
+        while any(_running(w.pid) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(w.pid) for w in workers)
 
 
 def test_a_scheduler_that_does_not_answer_is_one_line(run):

@@ -1,5 +1,5 @@
 """`python -m ciuic_doctor ...`, the form torchrun's `-m` runs on every rank."""
 
-from ciuic_doctor.cli import main
+from ciuic_doctor.cli import console_main
 
-raise SystemExit(main())
+console_main()

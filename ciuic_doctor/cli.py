@@ -80,6 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def console_main() -> None:
+    """The `ciuic-doctor` console script and `python -m ciuic_doctor`: main, then the process's end.
+
+    main returns its code (tests and other Python call it in-process); a process of its own ends
+    through exit_command_process, which skips the interpreter teardown that native thread pools can
+    abort in after the command finished.
+    """
+    from ciuic_doctor.launch import exit_command_process
+
+    code = main()
+    exit_command_process(code)
+    raise SystemExit(code)
+
+
 def _prepare_out(args: argparse.Namespace) -> None:
     """Check `--out` before anything runs, so a refused folder costs nothing: one line, exit 2.
 
@@ -123,4 +137,4 @@ def _run_command(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    console_main()

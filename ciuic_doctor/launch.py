@@ -18,7 +18,7 @@ import socket
 import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ciuic_doctor.errors import ProbeFailed, UserError
 from ciuic_doctor.rundir.store import RUN_DIR_ENV
@@ -256,8 +256,9 @@ def describe_failure(exc: Any) -> str:
     return "ranks failed: " + "; ".join(parts) if len(parts) > 1 else f"{parts[0]} failed"
 
 
-# made_process_group: set by init_distributed (one of our ranks) or by a watched script's own group
-_THIS_PROCESS = {"made_process_group": False, "flush_user_files": False}
+# made_process_group: set by init_distributed (one of our ranks) or by a watched script's own group;
+# ran_user_code: set by watch before it runs a user's script in this process
+_THIS_PROCESS = {"made_process_group": False, "flush_user_files": False, "ran_user_code": False}
 
 
 def init_distributed(timeout_s: float, backend: str = "auto") -> tuple[int, int, str]:
@@ -315,17 +316,42 @@ def exit_rank_process(code: int) -> None:
     and the process aborts: "terminate called without an active exception", SIGABRT, the stack in
     `pt_gloo_runloop` -> ~AsyncAllgatherWork -> take_gil (pytorch/pytorch#179291). checkpoint-check's
     rank 1, which leaves right after an all_gather_object while rank 0 still prints, died that way in 4
-    runs of 25, after every record was written. So: the atexit handlers run here, while the
-    interpreter is whole (watch's last records, logging, multiprocessing's reaping of DataLoader
-    workers), stdout and stderr are flushed, and the process ends without the teardown. Returns when
-    this process made no process group (a plain command, or a user's script under watch).
+    runs of 25, after every record was written. Returns when this process made no process group (a
+    plain command, or a user's script under watch).
     """
-    if not _THIS_PROCESS["made_process_group"]:
-        return
+    if _THIS_PROCESS["made_process_group"]:
+        _end_without_teardown(code, flush_user_files=_THIS_PROCESS["flush_user_files"])
+
+
+def exit_command_process(code: int) -> None:
+    """End a `ciuic-doctor` process (the console script, `python -m ciuic_doctor`) whose work is done.
+
+    A rank ends as exit_rank_process says. A command that loaded pyarrow (report, compact, export,
+    checkup: every Parquet and columnar read) ends without the teardown too: Arrow's native thread
+    pools are torn down with the process while a worker thread is still joinable, and the process
+    aborts with "terminate called without an active exception" after its last line was printed
+    (apache/arrow#34314, open; `compact` exited -6 once in the suite's 2,140 tests). A process that ran
+    a user's script (watch) keeps Python's own exit: the script's objects are finalized as it expects.
+    Returns only then.
+    """
+    exit_rank_process(code)
+    if "pyarrow" in sys.modules and not _THIS_PROCESS["ran_user_code"]:
+        _end_without_teardown(code, flush_user_files=False)
+
+
+def note_user_code() -> None:
+    """watch runs a user's script in this process: its exit stays Python's (see exit_command_process)."""
+    _THIS_PROCESS["ran_user_code"] = True
+
+
+def _end_without_teardown(code: int, *, flush_user_files: bool) -> NoReturn:
+    """The atexit handlers run here, while the interpreter is whole (watch's last records, logging,
+    multiprocessing's reaping of DataLoader workers), stdout and stderr are flushed, and the process
+    ends without the interpreter's teardown."""
     import atexit
 
     atexit._run_exitfuncs()  # CPython's own exit path calls the same function before finalizing
-    if _THIS_PROCESS.get("flush_user_files"):
+    if flush_user_files:
         _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

@@ -245,6 +245,51 @@ def test_a_rank_leaves_without_teardown_but_runs_atexit_and_flushes(tmp_path, ro
         assert "exit_rank_process returned" in proc.stdout
 
 
+COMMAND_EXIT = textwrap.dedent(
+    """
+    import atexit, pathlib, sys
+    from ciuic_doctor import launch
+
+    if sys.argv[2] != "no-arrow":
+        import pyarrow.parquet  # noqa: F401  (a report's or compact's reads load it)
+    if sys.argv[2] == "watch":
+        launch.note_user_code()
+    atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text("atexit ran"))
+
+
+    class Teardown:
+        def __del__(self):  # a module global: finalized only by the interpreter's teardown
+            print("torn down")
+
+
+    kept = Teardown()
+    sys.stdout.write("buffered line\\n")
+    launch.exit_command_process(3)
+    print("exit_command_process returned")
+    """
+)
+
+
+@pytest.mark.parametrize("role", ["arrow", "no-arrow", "watch"])
+def test_a_command_that_loaded_arrow_skips_the_teardown_its_thread_pools_abort_in(tmp_path, role):
+    """A command process with pyarrow loaded ends in exit_command_process (atexit run, output flushed,
+    no interpreter teardown, where Arrow's pools abort now and then); without pyarrow, or after running
+    a user's script under watch, Python's own exit follows."""
+    marker = tmp_path / "marker"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    argv = [sys.executable, "-c", COMMAND_EXIT, str(marker), role]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert "buffered line" in proc.stdout
+    assert proc.returncode == (3 if role == "arrow" else 0), proc.stderr
+    if role == "arrow":
+        assert marker.read_text() == "atexit ran"
+        assert "returned" not in proc.stdout
+        assert "torn down" not in proc.stdout
+    else:
+        assert "exit_command_process returned" in proc.stdout
+        assert "torn down" in proc.stdout
+
+
 def _free_port() -> int:
     import socket
 

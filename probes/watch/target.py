@@ -143,6 +143,9 @@ def run_script(argv: list[str]) -> int:
     gives exit code 1; Ctrl-C gives 130.
     """
     check_target(argv)
+    from ciuic_doctor.launch import note_user_code
+
+    note_user_code()  # this process now ends the way Python ends the script
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     try:
         if argv[0] == "-m":

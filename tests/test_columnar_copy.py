@@ -242,3 +242,28 @@ def test_a_loss_that_went_nan_is_kept_as_nan(tmp_path):
     last = max((r for r in rows if r["rank"] == 2), key=lambda r: r["step"])
     assert last["loss"] != last["loss"]  # NaN, as the JSONL reader read it
     assert sum(r["loss"] != r["loss"] for r in rows) == 1
+
+
+def test_the_analyses_let_a_stream_go_after_its_last_reader_and_keep_what_the_page_reads(
+    run_small, tmp_path, monkeypatch
+):
+    """run_all drops memwatch's cached table once the memory analysis (its only reader) is done, so the
+    steps analyses' temporaries do not come on top of it; `keep` holds the steps for the page."""
+    from ciuic_doctor.analysis import run_all
+
+    run = RunDir.open(_copy_of(run_small, tmp_path))
+    let_go: list[tuple[str, bool]] = []
+    forget = frames.forget
+
+    def spy(run_dir, stream):
+        let_go.append((stream, any(key[1] == stream for key in frames._CACHE)))
+        forget(run_dir, stream)
+
+    monkeypatch.setattr(frames, "forget", spy)
+    findings = run_all(run, keep=("steps",))
+    assert ("memwatch", True) in let_go  # it was held, and then let go
+    assert {stream for _, stream in frames._CACHE} == {"steps"}
+
+    frames.clear_cache()
+    assert run_all(run) == findings  # the same findings whatever is kept
+    assert not frames._CACHE

@@ -226,7 +226,7 @@ def test_memwatch_view_is_the_pandas_summary_and_draws_the_same_plot(roles, monk
         table = table.take(np.random.default_rng(1).permutation(table.num_rows))
     monkeypatch.setattr(memwatch_view, "BLOCK_ROWS", 333)  # blocks that cut processes anywhere
     monkeypatch.setattr(
-        "ciuic_doctor.rundir.frames.read_stream", lambda run, stream, columns: TableRead(table=table)
+        "ciuic_doctor.rundir.frames.read_stream", lambda run, stream, columns, **_: TableRead(table=table)
     )
     got = memwatch_view.load(_Run())
     processes, records, key = _old_memwatch(_plain(table))

@@ -110,8 +110,12 @@ def build_report(
     resolved = resolve_spec(meta, spec_path)
     spec = resolved.spec
     result = ReportResult()
+    preloaded = {}
     if analyze or (analyze is None and needs_analysis(run)):
-        findings = run_all(run, progress)
+        # the page's memwatch view is taken while the memory analysis holds the stream, which is then let
+        # go before the steps analyses; the steps stay for the page
+        preloaded["memwatch"] = sections.memwatch_view.load(run)
+        findings = run_all(run, progress, keep=("steps",))
         result.analysed = True
     else:
         findings = load_findings(run)
@@ -123,7 +127,7 @@ def build_report(
     file_plan, unverified = verified.for_files(plan)
     if progress is not None:
         progress("building the page")
-    streams = sections.load_streams(run)
+    streams = sections.load_streams(run, preloaded)
     steps = streams.get("steps") or []
     first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)
     grad_norms = [

@@ -45,7 +45,7 @@ def load(run: RunDir) -> MemwatchSamples:
 
     if not run.has_stream("memwatch"):
         return MemwatchSamples([], [], "rss")
-    table = read_stream(run, "memwatch", COLUMNS).table
+    table = read_stream(run, "memwatch", COLUMNS, encoded=True).table  # role: codes, not 120 MB of strings
     if not table.num_rows:
         return MemwatchSamples([], [], "rss")
     names, codes = _process_codes(table)

@@ -67,7 +67,7 @@ def load_steps(run: RunDir) -> StepRecords:
     files = run.stream_files("steps")
     if not files:
         return StepRecords([], None)
-    table = StepTable(read_stream(run, "steps", (*COLUMNS, *MEMORY_COLUMNS)).table)
+    table = StepTable(read_stream(run, "steps", (*COLUMNS, *MEMORY_COLUMNS), encoded=True).table)
     shared = run.stream_path("steps")
     records: list[dict[str, Any]] = []
     for path in files[:2] if files[0] == shared else files[:1]:

@@ -295,12 +295,17 @@ def loader_content(section: Section, records: list[dict[str, Any]], findings: Se
 STREAMS = ("comm", "steps", "memwatch", "loader", "checkpoint")
 
 
-def load_streams(run: RunDir) -> dict[str, list[dict[str, Any]]]:
+def load_streams(run: RunDir, preloaded: dict[str, Any] | None = None) -> dict[str, list[dict[str, Any]]]:
     """The records of every stream the report draws (torn lines skipped by the store). `steps` is a
     rank_view.StepRecords: the lowest rank's records as a list, every rank's report columns as `.frame`
-    (read column-wise: 2 M step records of a 1,024-rank run are never made into dicts)."""
+    (read column-wise: 2 M step records of a 1,024-rank run are never made into dicts). `preloaded`: a
+    stream's view the caller loaded already (memwatch's, before the analyses let the stream go)."""
     loaders = {"steps": load_steps, "memwatch": memwatch_view.load}
-    return {name: loaders[name](run) if name in loaders else read_records(run, name) for name in STREAMS}
+    streams: dict[str, Any] = dict(preloaded or {})
+    for name in STREAMS:
+        if name not in streams:
+            streams[name] = loaders[name](run) if name in loaders else read_records(run, name)
+    return streams
 
 
 def build_sections(

@@ -97,6 +97,8 @@ def _in_stream_order(run_path: Path, manifest: Manifest, columns: list[str]) -> 
     import numpy as np
     import pyarrow as pa
 
+    from ciuic_doctor.rundir.frames.parts import _all_null
+
     order = None
     if not manifest.ordered:
         parts = _read_parts(run_path, manifest, [ROW_COLUMN])
@@ -113,7 +115,12 @@ def _in_stream_order(run_path: Path, manifest: Manifest, columns: list[str]) -> 
         if order is not None:
             column = column.take(order)
         taken[name] = column.combine_chunks()
+        if len(column) and column.null_count == len(column):
+            # a field no record has (a job without a GradScaler: loss_scale, loss_scale_next): zeros the
+            # JSONL reader leaves untouched, not Parquet's written ones: 78 MB a column at 10,000 x 1,000
+            taken[name] = _all_null(column.type, len(column))
         del column
+        pa.default_memory_pool().release_unused()  # this column's pages and parts, before the next's
     return pa.table(taken)
 
 

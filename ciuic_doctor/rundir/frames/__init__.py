@@ -59,6 +59,7 @@ __all__ = [
     "TableRead",
     "arrow_type",
     "float_values",
+    "forget",
     "read_records",
     "read_stream",
     "read_table",
@@ -374,6 +375,16 @@ def _stamp(files: list[Path]) -> tuple[tuple, list[list[Any]]]:
 def clear_cache() -> None:
     """Forget the cached tables (tests that rewrite a stream within one second of reading it)."""
     _CACHE.clear()
+
+
+def forget(run: RunDir, stream: str) -> None:
+    """Let `run`'s cached table of `stream` go (no reader still to come needs it: `analysis.run_all`);
+    its memory is freed once the callers' selections of it are gone too."""
+    if _CACHE.pop((str(run.path.resolve()), stream), None) is not None:
+        import pyarrow as pa
+
+        # back to the system: Arrow's pool keeps freed pages, which numpy's temporaries cannot reuse
+        pa.default_memory_pool().release_unused()
 
 
 def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bool = False) -> TableRead:

@@ -345,11 +345,16 @@ def note_user_code() -> None:
 
 
 def _end_without_teardown(code: int, *, flush_user_files: bool) -> NoReturn:
-    """The atexit handlers run here, while the interpreter is whole (watch's last records, logging,
-    multiprocessing's reaping of DataLoader workers), stdout and stderr are flushed, and the process
-    ends without the interpreter's teardown."""
+    """What Python's exit does before its teardown, in its order: the threads that are not daemons are
+    waited for, the atexit handlers run while the interpreter is whole (watch's last records, logging,
+    multiprocessing's reaping of DataLoader workers), stdout and stderr are flushed; then the process
+    ends without the teardown."""
     import atexit
+    import threading
 
+    # CPython's own exit calls this first: it wakes the idle workers of executors never shut down
+    # (threading's own atexit list), then joins every thread that is not a daemon
+    threading._shutdown()
     atexit._run_exitfuncs()  # CPython's own exit path calls the same function before finalizing
     if flush_user_files:
         _flush_open_files()

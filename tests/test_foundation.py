@@ -264,6 +264,13 @@ COMMAND_EXIT = textwrap.dedent(
 
     kept = Teardown()
     sys.stdout.write("buffered line\\n")
+    import threading, time
+
+    def late():  # a thread that is not a daemon: Python's exit waits for it, so this one does too
+        time.sleep(0.3)
+        print("thread finished")
+
+    threading.Thread(target=late).start()
     launch.exit_command_process(3)
     print("exit_command_process returned")
     """
@@ -280,6 +287,7 @@ def test_a_command_that_loaded_arrow_skips_the_teardown_its_thread_pools_abort_i
     argv = [sys.executable, "-c", COMMAND_EXIT, str(marker), role]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     assert "buffered line" in proc.stdout
+    assert "thread finished" in proc.stdout
     assert proc.returncode == (3 if role == "arrow" else 0), proc.stderr
     if role == "arrow":
         assert marker.read_text() == "atexit ran"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from types import ModuleType
 
 from ciuic_doctor.rundir.findings import Finding, sort_findings
@@ -35,14 +35,19 @@ def analysis_modules() -> list[ModuleType]:
 
 
 def run_all(
-    run: RunDir, progress: Callable[[str], None] | None = None, *, keep: Collection[str] = ()
+    run: RunDir,
+    progress: Callable[[str], None] | None = None,
+    *,
+    keep: Collection[str] = (),
+    before_letting_go: Mapping[str, Callable[[], object]] | None = None,
 ) -> list[Finding]:
     """Every applicable analysis on `run`; findings.json is written and the findings returned.
     `progress` is told each analysis as it starts ("memory (4/9)"): at 10,000 ranks they take minutes.
 
     A stream's cached table is let go once no analysis still to run reads it, unless the caller reads it
     next (`keep`): memwatch's 0.85 GB at 10,000 ranks x 1,000 steps is not held through the steps
-    analyses, whose temporaries came on top of it."""
+    analyses, whose temporaries came on top of it. `before_letting_go[stream]` is called just before
+    (the report takes its page's view of the stream there, while it is still held)."""
     from ciuic_doctor.rundir import frames
 
     findings: list[Finding] = []
@@ -59,7 +64,9 @@ def run_all(
             findings.append(_crashed(name, exc))
         ran.append(name)
         still_read = {stream for later in applicable[number:] for stream in later.STREAMS}
-        for stream in set(module.STREAMS) - still_read - set(keep):
+        for stream in sorted(set(module.STREAMS) - still_read - set(keep)):
+            if before_letting_go and stream in before_letting_go:
+                before_letting_go[stream]()
             frames.forget(run, stream)
     if quality := records_finding(run):
         findings.append(quality)

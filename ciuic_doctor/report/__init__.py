@@ -112,10 +112,12 @@ def build_report(
     result = ReportResult()
     preloaded = {}
     if analyze or (analyze is None and needs_analysis(run)):
-        # the page's memwatch view is taken while the memory analysis holds the stream, which is then let
-        # go before the steps analyses; the steps stay for the page
-        preloaded["memwatch"] = sections.memwatch_view.load(run)
-        findings = run_all(run, progress, keep=("steps",))
+        # memwatch is let go after the memory analysis, before the steps analyses: the page's view of it
+        # is taken then, while the stream is held; the steps stay for the page
+        def memwatch_view() -> None:
+            preloaded["memwatch"] = sections.memwatch_view.load(run)
+
+        findings = run_all(run, progress, keep=("steps",), before_letting_go={"memwatch": memwatch_view})
         result.analysed = True
     else:
         findings = load_findings(run)

@@ -318,12 +318,21 @@ def test_top_in_tmux_sorts_shows_stacks_and_quits(job, tmp_path: Path) -> None:
                 "the stack view", lambda: "py-spy is not installed" in (p := _pane(session)) and p
             )
         else:
-            stacks = wait_for(
-                "the stack view",
-                lambda: "innermost first" in (p := _pane(session)) and "rank 1 (PID" in p and p,
-                timeout_s=60,
-            )
-            assert "train.py" in stacks  # the rank's own frames: the embedded job's train loop
+            # the rank's own frames: the embedded job's train loop. A stack is one sample: caught deep in a
+            # forward through nested modules, the 8 innermost frames are torch's and the job's (not a
+            # user's) code is not added; backward, most of a step, shows it. Up to 5 samples.
+            for _ in range(5):
+                stacks = wait_for(
+                    "the stack view",
+                    lambda: "innermost first" in (p := _pane(session)) and "rank 1 (PID" in p and p,
+                    timeout_s=60,
+                )
+                if "train.py" in stacks:
+                    break
+                subprocess.run(["tmux", "send-keys", "-t", session, "x"], check=True)
+                wait_for("back from the stack view", lambda: "sort: rank" in _pane(session), timeout_s=30)
+                subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
+            assert "train.py" in stacks, stacks
         assert "stacks (py-spy" in stacks
         with frames.open("a") as f:
             f.write("\n---\n" + stacks)

@@ -28,7 +28,7 @@ from ciuic_doctor.live.render import SORT_ORDER, clean, renderable, visible_rows
 from ciuic_doctor.live.view import Frame, LiveJob
 
 STACK_RANKS = 4  # ranks whose stacks the stack view shows (worst first)
-STACK_FRAMES = 8  # innermost frames of each rank's main thread
+STACK_FRAMES = 8  # innermost frames of each rank's main thread (and the script's own frame, if deeper)
 HELP_LINE = "keys: s sort  p stacks  q quit"
 
 
@@ -80,11 +80,36 @@ class StackView:
                 continue
             main = threads[0] if threads else {"frames": [], "name": "?"}
             lines.append(f"  thread {clean(main.get('name'))}, innermost first:")
-            for frame in main.get("frames", [])[:STACK_FRAMES]:
-                where = f"{os.path.basename(str(frame.get('file')))}:{frame.get('line')}"
-                lines.append(f"    {clean(frame.get('function'))}  {clean(where)}")
+            lines += stack_lines(main.get("frames", []))
         self.result = lines
         self.done = True
+
+
+def stack_lines(frames: list[dict[str, Any]]) -> list[str]:
+    """A thread's frames (innermost first) as the view's lines: the STACK_FRAMES innermost, and the
+    script's own innermost frame when it is deeper than those, after how many are left out. A forward
+    through nested modules is 20+ frames deep: its 8 innermost (Linear, _call_impl, ...) showed no line
+    of the script.
+
+    >>> torch = [{"function": f"f{i}", "file": "/site-packages/torch/m.py", "line": i} for i in range(12)]
+    >>> mine = {"function": "train", "file": "/home/me/train.py", "line": 41}
+    >>> [line.strip() for line in stack_lines([*torch, mine])][7:]
+    ['f7  m.py:7', '... 4 frames ...', 'train  train.py:41']
+    """
+    from ciuic_doctor.analysis.hang.frames import user_frame
+
+    def line(frame: dict[str, Any]) -> str:
+        where = f"{os.path.basename(str(frame.get('file')))}:{frame.get('line')}"
+        return f"    {clean(frame.get('function'))}  {clean(where)}"
+
+    lines = [line(frame) for frame in frames[:STACK_FRAMES]]
+    own = user_frame(frames)
+    at = next((i for i, frame in enumerate(frames) if frame is own), -1)
+    if at >= STACK_FRAMES:
+        if at > STACK_FRAMES:
+            lines.append(f"    ... {at - STACK_FRAMES} frames ...")
+        lines.append(line(own))
+    return lines
 
 
 def run_interactive(job: LiveJob, *, interval_s: float, sort: str = "status") -> int:

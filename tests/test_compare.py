@@ -60,12 +60,12 @@ def test_same_settings_show_no_significant_step_time_change(runs):
     assert data["settings"] == [], data["settings"]
     step = _finding(data, "step_time")
     assert step["probe"] == "compare"
-    assert step["verdict"] == "pass"
     assert step["evidence"]["ci_low"] < step["evidence"]["ratio"] < step["evidence"]["ci_high"]
     # One pair cannot show a rate (test_compare_stats does, on a recording); at a calibrated 5 % this pair
-    # is flagged 1 time in 20, so the test asks for the p-value a genuine change would not have.
+    # is called significant 1 time in 20, either way (slower: a warn, seen once in a full suite; faster:
+    # a pass), so the test asks for the p-value a genuine change would not have, and no fail.
     assert step["evidence"]["p_value"] > 0.01, step["summary"]
-    assert step["evidence"]["ci_low"] < 1.0 < step["evidence"]["ci_high"]
+    assert step["verdict"] in ("pass", "warn"), step["summary"]
     loss = _finding(data, "loss")
     assert loss["evidence"]["bit_identical"] is True  # same seed, same data, CPU: every bit the same
     assert "bit-identical" in loss["summary"]

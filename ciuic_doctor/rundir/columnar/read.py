@@ -120,7 +120,6 @@ def _in_stream_order(run_path: Path, manifest: Manifest, columns: list[str]) -> 
             # JSONL reader leaves untouched, not Parquet's written ones: 78 MB a column at 10,000 x 1,000
             taken[name] = _all_null(column.type, len(column))
         del column
-        pa.default_memory_pool().release_unused()  # this column's pages and parts, before the next's
     return pa.table(taken)
 
 

@@ -90,8 +90,6 @@ def dumps(record: Any) -> str:
     in Python to replace them. That walk cost memwatch ~0.15 % of a core at 10 Hz and every watched step
     its share, for values that are almost always finite.
     """
-    from ciuic_doctor.machine.envinfo import scrub
-
     try:
         text = "".join(_ENCODE(record, 0)) if _ENCODE is not None else None
     except (ValueError, RecursionError):
@@ -101,6 +99,16 @@ def dumps(record: Any) -> str:
             text = json.dumps(record, default=_json_default, separators=(",", ":"), allow_nan=False)
         except ValueError:
             text = json.dumps(_finite(record), default=_json_default, separators=(",", ":"))
+    return _scrub(text)
+
+
+def _scrub(text: str) -> str:
+    """envinfo.scrub, imported at the first record and then bound in its place: an import statement
+    in `dumps` cost a watched step ~3 us a record (envinfo is not imported by `--help`)."""
+    global _scrub  # noqa: PLW0603 - replaced by what it imports, once
+    from ciuic_doctor.machine.envinfo import scrub
+
+    _scrub = scrub
     return scrub(text)
 
 

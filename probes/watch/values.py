@@ -15,9 +15,10 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -27,16 +28,20 @@ MAX_PENDING = 64  # records waiting for the device; beyond this the oldest is wa
 
 
 # ---- host and device memory -------------------------------------------------------------------
-def cuda_memory(device: torch.device | None) -> dict[str, int | None]:
+_NO_CUDA_MEMORY = MappingProxyType(
+    {"mem_allocated": None, "mem_reserved": None, "mem_active_peak": None, "alloc_retries": None}
+)
+
+
+def cuda_memory(device: torch.device | None) -> Mapping[str, int | None]:
     """Allocator counters of this process's CUDA device (host-side bookkeeping: no device sync).
 
     Keys read with .get(): they differ between versions and the cudaMallocAsync backend. The peak is
     since process start (or the script's last reset): resetting it here would reset the user's own
     peak counters too, the side effect DeepSpeed's see_memory_usage has.
     """
-    empty = {"mem_allocated": None, "mem_reserved": None, "mem_active_peak": None, "alloc_retries": None}
     if device is None or device.type != "cuda":
-        return empty
+        return _NO_CUDA_MEMORY  # read-only: one mapping for every step of a CPU job
     stats = torch.cuda.memory_stats(device)
     return {
         "mem_allocated": stats.get("allocated_bytes.all.current"),

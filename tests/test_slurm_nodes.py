@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -325,3 +326,17 @@ def test_a_step_ends_when_the_process_that_started_it_is_killed_with_9(
     finally:
         parent.kill()
         slurm_cluster.run("scancel", job, timeout=20)
+
+
+@pytest.mark.skipif(not all(map(shutil.which, ("sbatch", "srun", "scancel"))), reason="no Slurm commands")
+def test_verify_nproc_is_ranks_per_node_on_a_job_that_spanned_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --nproc on a two-node run: each batch job gets that many ranks a node (it was ignored: the
+    recorded 4 a node ran whatever the user asked); without it, the recorded layout."""
+    from ciuic_doctor.verify.nodes import SlurmChoice, spread_for
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a login node: one batch job per run
+    meta = {"observed": {"job": {"nodes": 2, "procs_per_node": 4}}}
+    asked = spread_for(meta, SlurmChoice(force=True), "run", nproc=1)
+    assert (asked.nnodes, asked.nproc_per_node, asked.batch.nodes) == (2, 1, 2)
+    recorded = spread_for(meta, SlurmChoice(force=True), "run")
+    assert (recorded.nnodes, recorded.nproc_per_node) == (2, 4)

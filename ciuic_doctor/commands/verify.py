@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nproc",
         type=positive_int,
         metavar="N",
-        help="ranks to re-run the job on instead of the recorded count (which may not exceed the CPUs)",
+        help="ranks to re-run the job on instead of the recorded count (which may not exceed the CPUs); "
+        "for a job that spanned nodes, ranks per node",
     )
     parser.add_argument(
         "--include-unverified",

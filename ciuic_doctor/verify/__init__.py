@@ -224,7 +224,7 @@ def verify_run(run: RunDir, options: Options, *, say: Callable[[str], None] = pr
         raise UserError(f"{run.path}: {exc}") from None
     from ciuic_doctor.verify.nodes import spread_for
 
-    command.spread = spread_for(meta, options.slurm, str(run.path))  # None: on this host
+    command.spread = spread_for(meta, options.slurm, str(run.path), nproc=options.nproc)  # None: this host
     _check_tries(kind, options.tries, meta)  # a bad --try is a usage error, before anything runs
     asked = _trusted(run, meta, command, options, say)  # before anything is written or started
     started = time.time()

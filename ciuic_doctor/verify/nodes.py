@@ -66,8 +66,11 @@ def recorded_layout(meta: dict[str, Any]) -> tuple[int, int]:
     return 1, 0
 
 
-def spread_for(meta: dict[str, Any], choice: SlurmChoice | None, path: str) -> Any:
-    """A cluster.spread.Spread for every run, or None: the runs stay on this host as before."""
+def spread_for(
+    meta: dict[str, Any], choice: SlurmChoice | None, path: str, *, nproc: int | None = None
+) -> Any:
+    """A cluster.spread.Spread for every run, or None: the runs stay on this host as before. `nproc`
+    (verify --nproc) is ranks per node here, as comm-bench's, job's and checkup's on an allocation."""
     choice = choice or SlurmChoice()
     nodes, per = recorded_layout(meta)
     if nodes <= 1 and not choice.force:
@@ -82,7 +85,7 @@ def spread_for(meta: dict[str, Any], choice: SlurmChoice | None, path: str) -> A
             f"{path}: the job ran on {nodes} nodes; verify it on as many: inside an allocation (salloc -N "
             f"{nodes} ciuic-doctor verify ...), or from a login node with --slurm [--partition P --time T]"
         )
-    per = per or 1
+    per = nproc or per or 1
     alloc = scheduler.allocation()
     if alloc is not None:
         want = choice.nodes or nodes

@@ -220,6 +220,18 @@ def test_ends_cleanly_when_the_target_exits(job_run):
     assert "NVML" in start["nvml_reason"]
 
 
+def test_the_memory_analysis_says_why_no_device_series_in_memwatch_s_words(job_run):
+    """The device leak check names the start event's reason (read column-wise from the events, a line
+    per watched process) rather than a guess."""
+    from ciuic_doctor.analysis.memory import analyze
+    from ciuic_doctor.rundir.store import RunDir
+
+    reason = _records(job_run["run"] / "memwatch.jsonl", "start")[0]["nvml_reason"]
+    device = [f for f in analyze(RunDir.open(job_run["run"])) if f.evidence.get("kind") == "device"]
+    assert [f.verdict for f in device] == ["not_run"]
+    assert reason in device[0].summary
+
+
 def test_sample_fields(job_run):
     sample = next(
         r

@@ -45,6 +45,7 @@ COLUMN_TYPES = {
     "skipped": "bool",
     "desync_ranks": "list<int64>",
     "grad_norm_source": "string",
+    "nvml_reason": "string",
 }
 
 

@@ -43,18 +43,28 @@ class Series:
     host: str | None = None
 
 
+def _nvml_reason(run: RunDir) -> str | None:
+    """Why memwatch had no per-process GPU figures, as its first start event says (None: it had them).
+    Two columns of the events, read column-wise: the events hold a line per watched process (112,501 at
+    100,000 ranks), and reading them all as records took 8 s of a report for this one string."""
+    from ciuic_doctor.rundir.frames import read_stream
+
+    if not run.has_stream("memwatch_events"):
+        return None
+    events = read_stream(run, "memwatch_events", ["kind", "nvml_reason"], cached=False).table
+    starts = [i for i, kind in enumerate(events.column("kind").to_pylist()) if kind == "start"]
+    return events.column("nvml_reason")[starts[0]].as_py() if starts else None
+
+
 class _Data:
     """The run's records, indexed the ways the checks need them: steps and memwatch samples column-wise
     (`StepColumns`, `MemwatchColumns`), a rank's or a process's records built only when a check asks."""
 
     def __init__(self, run: RunDir) -> None:
         from ciuic_doctor.analysis.memory.columns import MemwatchColumns
-        from ciuic_doctor.rundir.frames import read_records
 
         self.memwatch = MemwatchColumns(run)
-        events = read_records(run, "memwatch_events")
-        start = next((r for r in events if r.get("kind") == "start"), {})
-        self.nvml_reason: str | None = start.get("nvml_reason")  # None: NVML was there, or no events
+        self.nvml_reason: str | None = _nvml_reason(run)  # None: NVML was there, or no events
         self.steps = StepColumns(run)
         self.by_pid = self.memwatch  # pid -> its samples as records (built when asked)
         self.role_pids: dict[str, list[int]] = {}

@@ -387,18 +387,23 @@ def forget(run: RunDir, stream: str) -> None:
         pa.default_memory_pool().release_unused()
 
 
-def read_stream(run: RunDir, stream: str, columns: Sequence[str], *, encoded: bool = False) -> TableRead:
+def read_stream(
+    run: RunDir, stream: str, columns: Sequence[str], *, encoded: bool = False, cached: bool = True
+) -> TableRead:
     """`columns` of every valid record of `stream` (shared file first, then per-rank files in rank order);
     what the reader skipped goes to `run.read_problems[stream]`, in the row reader's words. `encoded`:
     strings of few values (host, role) stay dictionary-encoded (`TableRead.select`).
 
     The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
-    the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept."""
+    the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept.
+    `cached=False`: read past the cache (a stream read once, which would push steps or memwatch out)."""
     files = run.stream_files(stream)
     (stamp, sources), key = _stamp(files), (str(run.path.resolve()), stream)
-    cached = _CACHE.get(key)
-    if cached is not None and cached[0] == stamp and set(columns) <= set(cached[1].table.column_names):
-        read = cached[1]
+    held = _CACHE.get(key)
+    if held is not None and held[0] == stamp and set(columns) <= set(held[1].table.column_names):
+        read = held[1]
+    elif not cached:
+        read = _read_through_copy(run, stream, files, list(columns), sources=sources)
     else:
         _CACHE.pop(key, None)
         wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]

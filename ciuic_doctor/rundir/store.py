@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import fnmatch
 import json
 import math
 import os
@@ -180,6 +179,14 @@ class JsonlWriter:
 
 
 _RANK_FILE = re.compile(r"\.rank(\d+)\.jsonl$")
+
+
+def _rank_of_file(name: str) -> int:
+    """The rank in a per-rank file's name (`steps.rank12.jsonl` -> 12); -1 for a name without one."""
+    match = _RANK_FILE.search(name)
+    return int(match.group(1)) if match else -1
+
+
 # What ranks may write before meta.json exists: streams, logs, snapshots, lock and temp files, checkpoints,
 # Parquet copies, a rank's observed settings (observed.rank<R>.json), and the hang watchdog's files (a rank
 # arms it, writing hang.rank<R>.armed.json, before rank 0 has written meta.json; `hang --pid --out D`
@@ -312,34 +319,47 @@ class RunDir:
         Only regular files: a directory or FIFO under a stream's name (a FIFO hung every reader) is left
         out and named in `read_problems`, for every reader of the run (this one and columnar ones).
         """
-        shared = self.stream_path(name)
-        pattern = f"{name}.rank*.jsonl"
-        # one listing of the folder, its entries' types from it (no stat a file: 100,000 ranks' files)
-        entries: dict[str, bool] = {}  # name -> a regular file (not followed: a symlink out is not one)
-        try:
-            with os.scandir(self.path) as listing:
-                for entry in listing:
-                    if entry.name == shared.name or fnmatch.fnmatchcase(entry.name, pattern):
-                        entries[entry.name] = entry.is_file(follow_symlinks=False)
-        except OSError:
-            pass
-        ranked = sorted(
-            (n for n in entries if n != shared.name and not n.startswith(".")),
-            key=lambda n: int(m.group(1)) if (m := _RANK_FILE.search(n)) else -1,
-        )
-        found = [self.path / n for n in ([shared.name] if shared.name in entries else []) + ranked]
-        regular = [p for p in found if entries[p.name]]
+        entries = self._stream_entries(name)
+        shared = self.stream_path(name).name
+        ranked = sorted((n for n in entries if n != shared and not n.startswith(".")), key=_rank_of_file)
+        found = ([shared] if shared in entries else []) + ranked
+        regular = [self.path / n for n in found if entries[n]]
         if len(regular) < len(found):
             self._irregular[name] = ", ".join(
-                f"{p.name} unreadable ({safe_io.irregular_reason(p)}, not a regular file)"
-                for p in found
-                if p not in regular
+                f"{n} unreadable ({safe_io.irregular_reason(self.path / n)}, not a regular file)"
+                for n in found
+                if not entries[n]
             )
             self.read_problems.setdefault(name, self._irregular[name])
         return regular
 
+    def _stream_entries(self, name: str, *, first: bool = False) -> dict[str, bool]:
+        """The folder's entries of stream `name` (the shared file, `name.rank*.jsonl`) -> whether each is
+        a regular file, from one listing (its entry types: no stat a file, 100,000 ranks' files; a
+        symlink out is not one). `first`: stop at the first regular one (whether the stream exists)."""
+        shared, prefix = self.stream_path(name).name, f"{name}.rank"
+        entries: dict[str, bool] = {}
+        try:
+            with os.scandir(self.path) as listing:
+                for entry in listing:
+                    n = entry.name  # fnmatch's `name.rank*.jsonl`, as two string tests (~5x faster)
+                    if n == shared or (
+                        n.startswith(prefix) and n.endswith(".jsonl") and len(n) >= len(prefix) + 6
+                    ):
+                        entries[n] = entry.is_file(follow_symlinks=False)
+                        if first and entries[n]:
+                            break
+        except OSError:
+            pass
+        return entries
+
     def has_stream(self, name: str) -> bool:
-        return bool(self.stream_files(name))
+        """Whether the stream has a regular file. The listing ends at the first one: run_all asks this of
+        every analysis's streams, and 13 full listings of a 100,000-rank run took 5.6 s."""
+        entries = self._stream_entries(name, first=True)
+        if any(entries.values()):
+            return True
+        return bool(entries) and bool(self.stream_files(name))  # irregular entries only: named, as before
 
     def read(self, name: str) -> StreamRead:
         """All records of a stream (shared file first, then per-rank files in rank order)."""

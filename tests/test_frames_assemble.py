@@ -133,3 +133,22 @@ def test_read_stream_gives_readers_plain_strings_from_an_encoded_cache(tmp_path)
     cached = frames._CACHE[(str(tmp_path.resolve()), "steps")][1].table
     assert pa.types.is_dictionary(cached.column("host").type)
     assert read.frame()["host"].tolist() == read.table.column("host").to_pylist()
+
+
+def test_one_report_reads_one_snapshot_of_a_stream_that_grows_under_it(tmp_path):
+    """Inside one_snapshot (a report, run_all) a stream that grew since its first read is taken as first
+    read, without a second listing and stat of its files; outside it, the growth is read."""
+    from ciuic_doctor.rundir.store import RunDir
+
+    path = tmp_path / "steps.rank0.jsonl"
+    path.write_text("".join(f'{{"rank":0,"step":{s},"t":{s}.0}}\n' for s in range(1, 4)))
+    run = RunDir(tmp_path)
+    frames.clear_cache()
+    with frames.one_snapshot():
+        first = frames.read_stream(run, "steps", ("rank", "step"))
+        with path.open("a") as grown:
+            grown.write('{"rank":0,"step":4,"t":4.0}\n')
+        again = frames.read_stream(run, "steps", ("step",))
+    assert first.table.column("step").to_pylist() == [1, 2, 3]
+    assert again.table.column("step").to_pylist() == [1, 2, 3]
+    assert frames.read_stream(run, "steps", ("step",)).table.column("step").to_pylist() == [1, 2, 3, 4]

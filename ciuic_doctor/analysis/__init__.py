@@ -50,6 +50,32 @@ def run_all(
     (the report takes its page's view of the stream there, while it is still held)."""
     from ciuic_doctor.rundir import frames
 
+    with frames.one_snapshot():  # every analysis judges the streams as their first reader found them
+        findings, ran = _run_each(run, progress, keep=keep, before_letting_go=before_letting_go)
+    if quality := records_finding(run):
+        findings.append(quality)
+    from ciuic_doctor.analysis.run_end import run_end_finding
+
+    if (end := run_end_finding(run.read_meta())) is not None:  # a crash, a kill: said, never `running`
+        findings.append(end)
+    findings = sort_findings(findings)
+    run.write_json(
+        FINDINGS_FILE,
+        {"schema": 1, "created": time.time(), "analyses": ran, "findings": [f.to_dict() for f in findings]},
+    )
+    return findings
+
+
+def _run_each(
+    run: RunDir,
+    progress: Callable[[str], None] | None,
+    *,
+    keep: Collection[str],
+    before_letting_go: Mapping[str, Callable[[], object]] | None,
+) -> tuple[list[Finding], list[str]]:
+    """The applicable analyses in turn: (their findings, their names)."""
+    from ciuic_doctor.rundir import frames
+
     findings: list[Finding] = []
     ran: list[str] = []
     run.read_meta()  # fills run.meta_problems before the analyses read it
@@ -68,18 +94,7 @@ def run_all(
             if before_letting_go and stream in before_letting_go:
                 before_letting_go[stream]()
             frames.forget(run, stream)
-    if quality := records_finding(run):
-        findings.append(quality)
-    from ciuic_doctor.analysis.run_end import run_end_finding
-
-    if (end := run_end_finding(run.read_meta())) is not None:  # a crash, a kill: said, never `running`
-        findings.append(end)
-    findings = sort_findings(findings)
-    run.write_json(
-        FINDINGS_FILE,
-        {"schema": 1, "created": time.time(), "analyses": ran, "findings": [f.to_dict() for f in findings]},
-    )
-    return findings
+    return findings, ran
 
 
 def _crashed(analysis: str, exc: Exception) -> Finding:

@@ -94,6 +94,30 @@ def build_report(
     include_unverified: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> ReportResult:
+    """`_build_report` on one snapshot of the run's streams (`frames.one_snapshot`): the analyses and the
+    page read each stream once, as it was then."""
+    from ciuic_doctor.rundir import frames
+
+    with frames.one_snapshot():
+        return _build_report(
+            run,
+            spec_path=spec_path,
+            analyze=analyze,
+            baseline=baseline,
+            include_unverified=include_unverified,
+            progress=progress,
+        )
+
+
+def _build_report(
+    run: RunDir,
+    *,
+    spec_path: str | Path | None,
+    analyze: bool | None,
+    baseline: RunDir | None,
+    include_unverified: bool,
+    progress: Callable[[str], None] | None,
+) -> ReportResult:
     """Analyse (always with analyze=True, never with False, else when needed), recommend, check the seed
     tips, and write every output file; with `baseline`, add the comparison section (and comparison.json).
 

@@ -1,0 +1,76 @@
+"""The streams' tables kept between readers of one process (`frames.read_stream`): the key, the stamp
+that says a kept table still matches its files, letting a stream go (`forget`), and the snapshot a
+report reads (`one_snapshot`). Split from frames/__init__.py, which reads the streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ciuic_doctor.rundir.frames.tableread import TableRead
+    from ciuic_doctor.rundir.store import RunDir
+
+CACHED_STREAMS = 2  # steps and memwatch, the two streams that grow with ranks × time
+_CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
+
+
+def _stamp(files: list[Path]) -> tuple[tuple, list[list[Any]]]:
+    """(what the cache compares, the files as the columnar copy's manifest lists them): one lstat a file.
+    A Parquet copy `compact` made (or removed) beside a file changes the stamp too; whether one exists is
+    looked up in one listing of the folder, not a stat a file (100,000 files: seconds, every caller)."""
+    folders = {os.path.dirname(f) or "." for f in files}
+    names: set[str] = set()
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            names.update(os.listdir(folder))
+    stamp, sources = [], []
+    for f in files:  # strings, not pathlib: its name and suffix cost seconds at 100,000 files
+        path = os.fspath(f)
+        info = os.lstat(path)
+        folder, _, name = path.rpartition("/")
+        sources.append([name, info.st_size, info.st_mtime_ns])
+        stem, dot, _ = name.rpartition(".")
+        copy = f"{stem if dot else name}.parquet"  # parquet_store.parquet_path
+        copied = b""
+        copy_path = os.path.join(folder, copy)
+        if copy in names and os.path.isfile(copy_path):  # compact's copy: read only when it is fresh
+            copy_info = os.lstat(copy_path)
+            copied = f"{copy_info.st_size}:{copy_info.st_mtime_ns}".encode()
+        stamp.append((path, info.st_size, info.st_mtime_ns, copied))
+    return tuple(stamp), sources
+
+
+_SNAPSHOT = {"depth": 0}  # > 0 inside `one_snapshot`
+
+
+@contextlib.contextmanager
+def one_snapshot() -> Iterator[None]:
+    """Within it, a stream's cached table is taken as it is, without listing and stat'ing its files
+    again: the analyses and the page of one report judge one snapshot of the run (a live run's files
+    that grew mid-report were read anew by the later readers, which then judged more steps than the
+    earlier ones), and at 100,000 ranks each look cost 1.8 s (a listing and 100,000 lstat calls)."""
+    _SNAPSHOT["depth"] += 1
+    try:
+        yield
+    finally:
+        _SNAPSHOT["depth"] -= 1
+
+
+def clear_cache() -> None:
+    """Forget the cached tables (tests that rewrite a stream within one second of reading it)."""
+    _CACHE.clear()
+
+
+def forget(run: RunDir, stream: str) -> None:
+    """Let `run`'s cached table of `stream` go (no reader still to come needs it: `analysis.run_all`);
+    its memory is freed once the callers' selections of it are gone too."""
+    if _CACHE.pop((str(run.path.resolve()), stream), None) is not None:
+        import pyarrow as pa
+
+        # back to the system: Arrow's pool keeps freed pages, which numpy's temporaries cannot reuse
+        pa.default_memory_pool().release_unused()

@@ -186,3 +186,28 @@ def test_goodput_evidence_keeps_the_worst_ranks_not_every_rank():
     assert list(kept)[:2] == ["4999", "4998"]  # worst first
     assert finding.evidence["ranks_judged"] == 5000
     assert len(json.dumps(finding.to_dict())) < 64 * 400
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_member_nanmedians_equal_nanmedian_group_by_group(seed, monkeypatch):
+    """The hosts' median pace (steps.crossrank.host_paces): every group's np.nanmedian over its rows, for
+    groups of mixed sizes, ties, NaN and inf, in blocks of any size."""
+    import warnings
+
+    from ciuic_doctor.analysis.stats import grouped
+
+    rnd = np.random.default_rng(seed)
+    monkeypatch.setattr(grouped, "BLOCK_VALUES", int(rnd.choice([1, 7, 1 << 20])))
+    rows, columns = int(rnd.integers(2, 40)), int(rnd.integers(1, 30))
+    matrix = np.round(rnd.normal(size=(rows, columns)), int(seed % 3))
+    matrix[rnd.random(matrix.shape) < 0.3] = np.nan
+    matrix[rnd.random(matrix.shape) < (0.1 if seed % 7 == 0 else 0)] = np.inf
+    order, members = list(rnd.permutation(rows)), []
+    while order:
+        size = int(rnd.integers(1, 9))
+        members.append([int(i) for i in order[:size]])
+        order = order[size:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: nanmedian warns, gives NaN
+        want = np.vstack([np.nanmedian(matrix[rows_of], axis=0) for rows_of in members])
+    assert np.array_equal(grouped.member_nanmedians(matrix, members), want, equal_nan=True)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+BLOCK_VALUES = 1 << 20  # member_nanmedians: values of a block of groups (8 MB of float64 a temporary)
+
 
 def in_order(*keys: np.ndarray) -> bool:
     """Whether np.lexsort(keys) (the last key first, ties in row order) would leave the rows where they
@@ -83,3 +85,44 @@ def finite_row_medians(a: np.ndarray) -> np.ndarray:
 
     lower, upper = middle_pair(a)
     return upper if a.shape[1] % 2 else (lower + upper) / 2
+
+
+def member_nanmedians(matrix: np.ndarray, members: list[list[int]]) -> np.ndarray:
+    """np.nanmedian(matrix[rows], axis=0) for each list of rows in `members` (a host's ranks), as one
+    (len(members), columns) array: groups of one size are sorted together along their rows (NaN last)
+    and their middle values taken, where np.nanmedian on a few rows went through numpy's masked arrays
+    (~370 us a call; 25,000 calls, 9 s, for 12,500 hosts of 8 ranks). NaN where a column has no value.
+
+    >>> import numpy as np
+    >>> m = np.array([[1.0, np.nan], [3.0, 2.0], [2.0, np.nan], [9.0, 4.0]])
+    >>> member_nanmedians(m, [[0, 1, 2], [1, 3]]).tolist()
+    [[2.0, 2.0], [6.0, 3.0]]
+    """
+    import numpy as np
+
+    out = np.full((len(members), matrix.shape[1]), np.nan)
+    sizes: dict[int, list[int]] = {}
+    for g, rows in enumerate(members):
+        sizes.setdefault(len(rows), []).append(g)
+    per_block = max(1, BLOCK_VALUES // max(1, matrix.shape[1]))  # rows a block: its temporaries stay small
+    for size, of_size in sizes.items():
+        step = max(1, per_block // max(1, size))
+        for at in range(0, len(of_size) if size else 0, step):
+            groups = of_size[at : at + step]
+            out[groups] = _block_nanmedians(matrix[np.array([members[g] for g in groups])])
+    return out
+
+
+def _block_nanmedians(block: np.ndarray) -> np.ndarray:
+    """np.nanmedian(block, axis=1) of a (groups, size, columns) block."""
+    import numpy as np
+
+    size = block.shape[1]
+    ordered = np.sort(block, axis=1)
+    count = np.count_nonzero(~np.isnan(block), axis=1)
+    lo, hi = np.maximum(count - 1, 0) // 2, count // 2
+    lower = np.take_along_axis(ordered, lo[:, None, :], axis=1)[:, 0]
+    upper = np.take_along_axis(ordered, np.minimum(hi, size - 1)[:, None, :], axis=1)[:, 0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        middle = np.where(lo == hi, lower, (lower + upper) / 2)
+    return np.where(count > 0, middle, np.nan)

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ciuic_doctor.analysis.stats.grouped import member_nanmedians
 from ciuic_doctor.analysis.steps.grid import (  # noqa: F401 - the report's, steps.py's
     StepMatrix,
     step_matrix,
@@ -317,9 +318,8 @@ def host_paces(matrix: StepMatrix) -> dict[str, RankPace]:
     hosts = [h for h, idx in members.items() if len(idx) >= 2 and 2 * len(idx) <= total]
     if len(hosts) < 2:
         return {}
-    with quiet_nan():
-        pace = np.vstack([np.nanmedian(matrix.pace_s[members[h]], axis=0) for h in hosts])
-        step_time = np.vstack([np.nanmedian(matrix.step_time_s[members[h]], axis=0) for h in hosts])
+    rows = [members[h] for h in hosts]
+    pace, step_time = member_nanmedians(matrix.pace_s, rows), member_nanmedians(matrix.step_time_s, rows)
     units = StepMatrix(
         ranks=np.arange(len(hosts)),
         steps=matrix.steps,

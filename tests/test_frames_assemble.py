@@ -136,19 +136,29 @@ def test_read_stream_gives_readers_plain_strings_from_an_encoded_cache(tmp_path)
 
 
 def test_one_report_reads_one_snapshot_of_a_stream_that_grows_under_it(tmp_path):
-    """Inside one_snapshot (a report, run_all) a stream that grew since its first read is taken as first
-    read, without a second listing and stat of its files; outside it, the growth is read."""
+    """Inside one_snapshot (a report, run_all) a stream read once is taken as it was, without a second
+    listing and stat of its files; a table cached before the snapshot began is checked first (the fuzz
+    tests rewrite one folder between reports); outside, every read sees the files as they are."""
     from ciuic_doctor.rundir.store import RunDir
 
     path = tmp_path / "steps.rank0.jsonl"
-    path.write_text("".join(f'{{"rank":0,"step":{s},"t":{s}.0}}\n' for s in range(1, 4)))
-    run = RunDir(tmp_path)
-    frames.clear_cache()
-    with frames.one_snapshot():
-        first = frames.read_stream(run, "steps", ("rank", "step"))
+
+    def grow(step: int) -> None:
         with path.open("a") as grown:
-            grown.write('{"rank":0,"step":4,"t":4.0}\n')
-        again = frames.read_stream(run, "steps", ("step",))
-    assert first.table.column("step").to_pylist() == [1, 2, 3]
-    assert again.table.column("step").to_pylist() == [1, 2, 3]
-    assert frames.read_stream(run, "steps", ("step",)).table.column("step").to_pylist() == [1, 2, 3, 4]
+            grown.write(f'{{"rank":0,"step":{step},"t":{step}.0}}\n')
+
+    def steps() -> list[int]:
+        return frames.read_stream(RunDir(tmp_path), "steps", ("step",)).table.column("step").to_pylist()
+
+    for step in (1, 2, 3):
+        grow(step)
+    frames.clear_cache()
+    assert steps() == [1, 2, 3]  # cached before the snapshot
+    grow(4)
+    with frames.one_snapshot():
+        assert steps() == [1, 2, 3, 4]  # the stale table is not taken: checked, read again
+        grow(5)
+        assert steps() == [1, 2, 3, 4]  # one snapshot
+        with frames.one_snapshot():  # run_all's inside build_report's
+            assert steps() == [1, 2, 3, 4]
+    assert steps() == [1, 2, 3, 4, 5]

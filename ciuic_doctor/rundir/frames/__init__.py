@@ -45,12 +45,13 @@ from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce, arrow_typ
 from ciuic_doctor.rundir.frames.assemble import Assembler, add_big, plain_strings, task_bytes
 from ciuic_doctor.rundir.frames.cache import (  # noqa: F401 - the cache's API, as frames.<name>
     _CACHE,
-    _SNAPSHOT,
     CACHED_STREAMS,
     _stamp,
+    checked,
     clear_cache,
     forget,
     one_snapshot,
+    pinned,
 )
 from ciuic_doctor.rundir.frames.parts import BigFile, Part, _batches, _read_batch, _read_range
 from ciuic_doctor.rundir.frames.tableread import TableRead
@@ -362,16 +363,18 @@ def read_stream(
     The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
     the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept.
     `cached=False`: read past the cache (a stream read once, which would push steps or memwatch out).
-    Inside `one_snapshot`, a cached table is used without looking at the files again."""
-    pinned = _CACHE.get((str(run.path.resolve()), stream)) if _SNAPSHOT["depth"] else None
-    if pinned is not None and set(columns) <= set(pinned[1].table.column_names):
-        _note_problems(run, stream, pinned[1])
-        return pinned[1].select(columns, encoded=encoded)
+    Inside `one_snapshot`, a table this snapshot has read or checked is used without looking at the files
+    again (one cached before it began is checked first)."""
+    key = (str(run.path.resolve()), stream)
+    if (taken := pinned(key, columns)) is not None:
+        _note_problems(run, stream, taken)
+        return taken.select(columns, encoded=encoded)
     files = run.stream_files(stream)
-    (stamp, sources), key = _stamp(files), (str(run.path.resolve()), stream)
+    stamp, sources = _stamp(files)
     held = _CACHE.get(key)
     if held is not None and held[0] == stamp and set(columns) <= set(held[1].table.column_names):
         read = held[1]
+        checked(key)
     elif not cached:
         read = _read_through_copy(run, stream, files, list(columns), sources=sources)
     else:
@@ -381,6 +384,7 @@ def read_stream(
         while len(_CACHE) >= CACHED_STREAMS:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (stamp, read)
+        checked(key)
     _note_problems(run, stream, read)
     return read.select(columns, encoded=encoded)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,20 +46,44 @@ def _stamp(files: list[Path]) -> tuple[tuple, list[list[Any]]]:
     return tuple(stamp), sources
 
 
-_SNAPSHOT = {"depth": 0}  # > 0 inside `one_snapshot`
+@dataclass
+class _Snapshot:
+    """How deep in `one_snapshot` this process is, and the cache keys read or checked against their
+    files since the outermost one began (a table cached before it may be stale: it is checked first)."""
+
+    depth: int = 0
+    checked: set[tuple[str, str]] = field(default_factory=set)
+
+
+_SNAPSHOT = _Snapshot()
 
 
 @contextlib.contextmanager
 def one_snapshot() -> Iterator[None]:
-    """Within it, a stream's cached table is taken as it is, without listing and stat'ing its files
-    again: the analyses and the page of one report judge one snapshot of the run (a live run's files
-    that grew mid-report were read anew by the later readers, which then judged more steps than the
-    earlier ones), and at 100,000 ranks each look cost 1.8 s (a listing and 100,000 lstat calls)."""
-    _SNAPSHOT["depth"] += 1
+    """Within it, a stream's table read (or checked against its files) once is taken as it is, without
+    listing and stat'ing its files again: the analyses and the page of one report judge one snapshot of
+    the run (a live run's files that grew mid-report were read anew by the later readers, which then
+    judged more steps than the earlier ones), and at 100,000 ranks each look cost 1.8 s (a listing and
+    100,000 lstat calls)."""
+    _SNAPSHOT.depth += 1
     try:
         yield
     finally:
-        _SNAPSHOT["depth"] -= 1
+        _SNAPSHOT.depth -= 1
+        if not _SNAPSHOT.depth:
+            _SNAPSHOT.checked.clear()
+
+
+def pinned(key: tuple[str, str], columns: Sequence[str]) -> TableRead | None:
+    """The cached table of `key` when this snapshot has checked it and it has `columns`; else None."""
+    held = _CACHE.get(key) if key in _SNAPSHOT.checked else None
+    return held[1] if held is not None and set(columns) <= set(held[1].table.column_names) else None
+
+
+def checked(key: tuple[str, str]) -> None:
+    """`key`'s cached table matches its files as they are now: inside a snapshot, it is taken as it is."""
+    if _SNAPSHOT.depth:
+        _SNAPSHOT.checked.add(key)
 
 
 def clear_cache() -> None:

@@ -82,7 +82,6 @@ def finite_row_medians(a: np.ndarray) -> np.ndarray:
     >>> finite_row_medians(np.array([[3.0, 1.0, 2.0, 10.0], [5.0, 4.0, 6.0, 7.0]])).tolist()
     [2.5, 5.5]
     """
-
     lower, upper = middle_pair(a)
     return upper if a.shape[1] % 2 else (lower + upper) / 2
 

@@ -338,14 +338,13 @@ class RunDir:
         a regular file, from one listing (its entry types: no stat a file, 100,000 ranks' files; a
         symlink out is not one). `first`: stop at the first regular one (whether the stream exists)."""
         shared, prefix = self.stream_path(name).name, f"{name}.rank"
+        least = len(prefix) + len(".jsonl")
         entries: dict[str, bool] = {}
         try:
             with os.scandir(self.path) as listing:
                 for entry in listing:
-                    n = entry.name  # fnmatch's `name.rank*.jsonl`, as two string tests (~5x faster)
-                    if n == shared or (
-                        n.startswith(prefix) and n.endswith(".jsonl") and len(n) >= len(prefix) + 6
-                    ):
+                    n = entry.name  # fnmatch's `name.rank*.jsonl` as string tests: 23 vs 45 ms a 100,000
+                    if n == shared or (n.startswith(prefix) and n.endswith(".jsonl") and len(n) >= least):
                         entries[n] = entry.is_file(follow_symlinks=False)
                         if first and entries[n]:
                             break

@@ -256,10 +256,10 @@ def _fit_rows(out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray) 
     shared_x = bool((xs == xs[:1]).all())  # ranks that recorded the same steps: one row of dx for all
     dx, dy = pair_differences(xs[:1] if shared_x else xs), pair_differences(ys)
     increasing = bool((dx > 0).all())  # x in order, no two alike: every row of a binned step series
-    distinct = True if increasing else dx != 0
+    distinct = None if increasing else dx != 0
     with np.errstate(divide="ignore", invalid="ignore"):
         slopes = dy / dx
-    if increasing or distinct.all():
+    if distinct is None or distinct.all():
         slope = finite_row_medians(slopes)
     else:
         slope = np.nanmedian(np.where(distinct, slopes, np.nan), axis=1)

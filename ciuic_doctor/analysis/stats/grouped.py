@@ -116,12 +116,11 @@ def _block_nanmedians(block: np.ndarray) -> np.ndarray:
     """np.nanmedian(block, axis=1) of a (groups, size, columns) block."""
     import numpy as np
 
-    size = block.shape[1]
     ordered = np.sort(block, axis=1)
     count = np.count_nonzero(~np.isnan(block), axis=1)
-    lo, hi = np.maximum(count - 1, 0) // 2, count // 2
+    lo, hi = np.maximum(count - 1, 0) // 2, count // 2  # hi <= size // 2: always a row of the block
     lower = np.take_along_axis(ordered, lo[:, None, :], axis=1)[:, 0]
-    upper = np.take_along_axis(ordered, np.minimum(hi, size - 1)[:, None, :], axis=1)[:, 0]
+    upper = np.take_along_axis(ordered, hi[:, None, :], axis=1)[:, 0]
     with np.errstate(invalid="ignore", over="ignore"):
         middle = np.where(lo == hi, lower, (lower + upper) / 2)
     return np.where(count > 0, middle, np.nan)

@@ -160,6 +160,28 @@ def test_a_planted_or_edited_copy_is_not_read(run_2100, tmp_path):
     assert frames.read_stream(RunDir.open(run), "steps", STEPS).table.equals(truth)
 
 
+@pytest.mark.parametrize("edit", ["a place twice", "past the end", "negative"])
+def test_a_copy_whose_row_places_were_edited_is_not_read(run_2100, tmp_path, edit):
+    """memwatch's parts put its rows back in order by `_row`: places that are not each row once (a
+    duplicate, or one outside the stream, which numpy would wrap or refuse) mean the JSONL is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = _copy_of(run_2100, tmp_path)
+    columns = ["rank", *frames.STREAM_COLUMNS["memwatch"]]
+    truth = frames.read_stream(RunDir.open(run), "memwatch", columns).table
+    part = run / "columnar" / "memwatch" / "rank_block=1" / "part-0.parquet"
+    table = pq.read_table(part)
+    places = table.column("_row").to_numpy().copy()
+    places[0] = {"a place twice": places[1], "past the end": truth.num_rows, "negative": -1}[edit]
+    part.unlink()
+    pq.write_table(table.set_column(table.column_names.index("_row"), "_row", pa.array(places)), part)
+    frames.clear_cache()
+    read = frames.read_stream(RunDir.open(run), "memwatch", columns)
+    assert read.table.equals(truth)
+    assert pq.read_table(part).column("_row").to_pylist() != places.tolist()  # rewritten from the JSONL
+
+
 def test_a_symlinked_copy_folder_is_not_written_through_and_the_report_says_so(run_small, tmp_path):
     run = _copy_of(run_small, tmp_path)
     elsewhere = tmp_path / "elsewhere"

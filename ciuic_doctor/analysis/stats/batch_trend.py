@@ -74,13 +74,24 @@ class RankSeries:
         return out
 
     def distinct_x(self) -> np.ndarray:
-        """How many distinct x values each series has."""
+        """How many distinct x values each series has.
+
+        >>> import numpy as np
+        >>> RankSeries.of([0, 0, 0, 1, 1], [1, 2, 2, 5, 5], [0] * 5, 3).distinct_x().tolist()
+        [2, 1, 0]
+        >>> RankSeries.of([0, 0, 0], [2, 1, 2], [0] * 3, 1).distinct_x().tolist()
+        [2]
+        """
         import numpy as np
 
         if not len(self.ids):
             return np.zeros(self.count, dtype=np.int64)
-        order = np.lexsort((self.x, self.ids))
-        ids, x = self.ids[order], self.x[order]
+        ids, x = self.ids, self.x
+        same = ids[1:] == ids[:-1]
+        if not (x[1:][same] >= x[:-1][same]).all():  # steps come in order: no sort (1.7 s at 10,000 ranks)
+            order = np.lexsort((x, ids))
+            ids, x = ids[order], x[order]
+        del same
         new = np.ones(len(ids), dtype=bool)
         new[1:] = (ids[1:] != ids[:-1]) | (x[1:] != x[:-1])
         return np.bincount(ids[new], minlength=self.count)
@@ -220,14 +231,16 @@ def fit(series: RankSeries) -> Trends:
         if not len(members):
             continue
         block = max(1, PAIRS_PER_BLOCK // (n * (n - 1) // 2))
+        work = np.empty(min(block, len(members)) * (n * (n - 1) // 2))  # one for every block of this n
         for lo in range(0, len(members), block):
             rows = slice(lo, lo + block)
-            _fit_rows(out, members[rows], xs[rows], ys[rows])
+            _fit_rows(out, members[rows], xs[rows], ys[rows], work=work)
     return out
 
 
-def pair_differences(a: np.ndarray) -> np.ndarray:
-    """a[:, j] - a[:, i] for every pair i < j of each row, ordered by lag (j - i), then by i.
+def pair_differences(a: np.ndarray, work: np.ndarray | None = None) -> np.ndarray:
+    """a[:, j] - a[:, i] for every pair i < j of each row, ordered by lag (j - i), then by i; written into
+    the front of `work` (a flat float64 buffer) when one is given.
 
     Every statistic taken of the pairs (a median, a count of signs) does not depend on their order, and
     contiguous slices subtract ~1.8x faster than the fancy-indexed gather of np.triu_indices' order
@@ -240,7 +253,8 @@ def pair_differences(a: np.ndarray) -> np.ndarray:
     import numpy as np
 
     rows, n = a.shape
-    out = np.empty((rows, n * (n - 1) // 2))
+    pairs = n * (n - 1) // 2
+    out = np.empty((rows, pairs)) if work is None else work[: rows * pairs].reshape(rows, pairs)
     at = 0
     for lag in range(1, n):
         np.subtract(a[:, lag:], a[:, :-lag], out=out[:, at : at + n - lag])
@@ -248,22 +262,49 @@ def pair_differences(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _fit_rows(out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> None:
-    """The robust trend of each row of (xs, ys), written into `out` at `members`."""
+def _signs(dy: np.ndarray) -> np.ndarray:
+    """Per row: how many values are > 0 less how many are < 0, as float64 (one bool buffer for both).
+
+    >>> import numpy as np
+    >>> _signs(np.array([[1.0, -2.0, 3.0, 0.0], [-1.0, -1.0, 0.0, 0.0]])).tolist()
+    [1.0, -2.0]
+    """
+    import numpy as np
+
+    flags = np.greater(dy, 0)
+    rises = np.add.reduce(flags, axis=1, dtype=np.int64)
+    falls = np.add.reduce(np.less(dy, 0, out=flags), axis=1, dtype=np.int64)
+    return (rises - falls).astype(np.float64)
+
+
+def _fit_rows(
+    out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray, work: np.ndarray | None = None
+) -> None:
+    """The robust trend of each row of (xs, ys), written into `out` at `members`. `work`: a buffer for
+    the pairs (`pair_differences`), which become the slopes and are partitioned where they lie: three
+    fresh 8 MB arrays a block were each page-faulted in anew (a third of the fits' time at 10,000 ranks)."""
     import numpy as np
 
     n = xs.shape[1]
     shared_x = bool((xs == xs[:1]).all())  # ranks that recorded the same steps: one row of dx for all
-    dx, dy = pair_differences(xs[:1] if shared_x else xs), pair_differences(ys)
-    increasing = bool((dx > 0).all())  # x in order, no two alike: every row of a binned step series
-    distinct = None if increasing else dx != 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        slopes = dy / dx
-    if distinct is None or distinct.all():
-        slope = finite_row_medians(slopes)
+    dx, dy = pair_differences(xs[:1] if shared_x else xs), pair_differences(ys, work)
+    if bool((dx > 0).all()):  # x in order, no two alike: every row of a binned step series
+        # sign(dx) = 1 everywhere: Mann-Kendall's S is the rises minus the falls, counted before dy
+        # becomes the slopes
+        s = _signs(dy)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slopes = np.divide(dy, dx, out=dy)
+        slope = finite_row_medians(slopes, in_place=True)
     else:
-        slope = np.nanmedian(np.where(distinct, slopes, np.nan), axis=1)
-    del slopes
+        s = np.sum(np.sign(dy) * np.sign(dx), axis=1)  # equal x: sign(dx) = 0, the pair counts nothing
+        distinct = dx != 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slopes = dy / dx
+        if distinct.all():
+            slope = finite_row_medians(slopes)
+        else:
+            slope = np.nanmedian(np.where(distinct, slopes, np.nan), axis=1)
+    del slopes, dy
     intercept = finite_row_medians(ys - slope[:, None] * xs)
     residual = ys - (slope[:, None] * xs + intercept[:, None])
     centre = finite_row_medians(residual)[:, None]
@@ -275,10 +316,6 @@ def _fit_rows(out: Trends, members: np.ndarray, xs: np.ndarray, ys: np.ndarray) 
     ss_tot = np.sum(np.where(inlier, (ys - mean[:, None]) ** 2, 0.0), axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         r2 = np.where(ss_tot == 0, np.where(ss_res == 0, 1.0, 0.0), 1 - ss_res / ss_tot)
-    if increasing:  # sign(dx) = 1 everywhere: the rises minus the falls, counted without a product
-        s = (np.count_nonzero(dy > 0, axis=1) - np.count_nonzero(dy < 0, axis=1)).astype(np.float64)
-    else:
-        s = np.sum(np.sign(dy) * np.sign(dx), axis=1)  # equal x: sign(dx) = 0, the pair counts nothing
     variance = n * (n - 1) * (2 * n + 5) / 18
     z = np.where(s == 0, 0.0, (s - np.sign(s)) / math.sqrt(variance))
     out.valid[members] = True

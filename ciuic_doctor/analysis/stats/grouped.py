@@ -56,10 +56,11 @@ def grouped_median(group: np.ndarray, values: np.ndarray, count: int) -> np.ndar
     return out
 
 
-def middle_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def middle_pair(a: np.ndarray, *, in_place: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `a` (n columns): the order statistics (n - 1) // 2 and n // 2, NaN as the largest
     value. One partition at n // 2 and the largest value left of it: the same two numbers as a partition
     at both, which numpy does ~5.6x slower (50 rows of 19,900 pairwise slopes: 13.5 ms vs 2.4 ms).
+    `in_place`: partition `a` itself (its values stay, their order does not), not a copy of it.
 
     >>> import numpy as np
     >>> [v.tolist() for v in middle_pair(np.array([[3.0, 1.0, 2.0, 10.0], [5.0, 4.0, 6.0, np.nan]]))]
@@ -69,12 +70,16 @@ def middle_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     n = a.shape[1]
     half = n // 2
-    part = np.partition(a, half, axis=1)
-    upper = part[:, half]
+    if in_place:
+        a.partition(half, axis=1)
+        part = a
+    else:
+        part = np.partition(a, half, axis=1)
+    upper = part[:, half].copy() if in_place else part[:, half]
     return (upper if n % 2 else part[:, :half].max(axis=1)), upper
 
 
-def finite_row_medians(a: np.ndarray) -> np.ndarray:
+def finite_row_medians(a: np.ndarray, *, in_place: bool = False) -> np.ndarray:
     """np.median(a, axis=1) of a matrix without NaN, without np.median's NaN check (a third of its time
     on the trend fits): one partition, the middle value or the mean of the middle two.
 
@@ -82,7 +87,7 @@ def finite_row_medians(a: np.ndarray) -> np.ndarray:
     >>> finite_row_medians(np.array([[3.0, 1.0, 2.0, 10.0], [5.0, 4.0, 6.0, 7.0]])).tolist()
     [2.5, 5.5]
     """
-    lower, upper = middle_pair(a)
+    lower, upper = middle_pair(a, in_place=in_place)
     return upper if a.shape[1] % 2 else (lower + upper) / 2
 
 

@@ -114,11 +114,13 @@ class _Index:
     def __init__(self, data: _Data) -> None:
         import numpy as np
 
+        from ciuic_doctor.analysis.stats.grouped import places
+
         self.ranks = data.ranks()
         self.rank_array = np.asarray(self.ranks, dtype=np.int64)
         steps = data.steps
         self.step_rank = steps.flat("rank").astype(np.int64) if len(steps) else np.empty(0, np.int64)
-        self.step_id = np.searchsorted(self.rank_array, self.step_rank)
+        self.step_id = places(self.rank_array, self.step_rank)
         self.pids = [data.rank_pid(r) for r in self.ranks]
 
 

@@ -32,6 +32,24 @@ def in_order(*keys: np.ndarray) -> bool:
     return bool(ordered.all())
 
 
+def places(axis: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Where each of `values` sits on `axis` (sorted, unique, holding every one of them): ranks and steps
+    are nearly always a run of consecutive integers, and then the place is an offset, not a binary
+    search (10 M step rows on 10,000 ranks: ~0.5 s searched).
+
+    >>> import numpy as np
+    >>> places(np.array([3, 4, 5]), np.array([5, 3])).tolist()
+    [2, 0]
+    >>> places(np.array([1, 7, 9]), np.array([9, 7])).tolist()
+    [2, 1]
+    """
+    import numpy as np
+
+    if len(axis) and axis[-1] - axis[0] == len(axis) - 1:
+        return values - axis[0]
+    return np.searchsorted(axis, values)
+
+
 def grouped_median(group: np.ndarray, values: np.ndarray, count: int) -> np.ndarray:
     """statistics.median of `values` per group id (0..count-1); NaN for a group with none. Groups that
     come together (ids not decreasing) are partitioned in place of a sort, all groups of one size at once;

@@ -105,6 +105,14 @@ TARGETED = [
     ("memwatch.jsonl", "gpu_devices", "x"),
     ("memwatch.jsonl", "rank", 2**70),
     ("memwatch_events.jsonl", "kind", 3),
+    # the bounds the column-wise check takes from one min_max a column
+    ("steps.rank1.jsonl", "step_time_s", -0.5),  # a measurement that cannot be negative
+    ("steps.rank1.jsonl", "tokens", -3),  # ... as a whole number
+    ("steps.rank1.jsonl", "loss", 1e151),  # a finite number past ±1e150
+    ("steps.rank1.jsonl", "grad_norm", -1e151),
+    ("steps.rank1.jsonl", "step", 2**53 + 1),  # a whole number past ±2**53
+    ("steps.rank1.jsonl", "rank", -(2**63) + 1),
+    ("memwatch.jsonl", "rss", 1e200),
 ]
 
 

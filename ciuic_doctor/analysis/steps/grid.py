@@ -117,6 +117,7 @@ def matrix_from_table(table: pyarrow.Table, *, warmup_steps: int, min_steady_ste
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from ciuic_doctor.analysis.stats.grouped import places
     from ciuic_doctor.rundir.frames import float_values
 
     names = set(table.column_names)
@@ -131,9 +132,9 @@ def matrix_from_table(table: pyarrow.Table, *, warmup_steps: int, min_steady_ste
     last_named = np.full(len(ranks), -1, np.int64)  # each rank's last row that names a host
     for start, part in _blocks(table):
         rank, step, ok = _keys(part)
-        col = np.minimum(np.searchsorted(steps, step), len(steps) - 1)
+        col = places(steps, step)
         ok &= steps[col] == step  # a warm-up step left out
-        rows, col = np.searchsorted(ranks, rank[ok]), col[ok]
+        rows, col = places(ranks, rank[ok]), col[ok]
         for name, grid in grids.items():
             grid[rows, col] = float_values(part.column(name))[ok]  # rows in order: a later record wins
         if "host" in names:

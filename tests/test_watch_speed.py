@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciuic_doctor.machine.envinfo import scrub
-from ciuic_doctor.probes.watch.values import start_copy
+from ciuic_doctor.probes.watch.values import USS_COST_BUDGET, UssSampler, start_copy
 from ciuic_doctor.rundir import store
 
 
@@ -114,6 +114,19 @@ while True:
     step += 1
     print(f"step {step}", flush=True)
 """
+
+
+@pytest.mark.parametrize("step_time_s", [0.002, 0.025, 1.0])
+def test_uss_reads_stay_within_their_share_of_the_step_time(step_time_s):
+    """A real read of this (torch) process's USS sets how many steps pass before the next one: its
+    amortised cost is at most USS_COST_BUDGET of the step, and never more often than every 10 steps."""
+    sampler = UssSampler(every=10)
+    assert sampler.sample(1, step_time_s) > 0
+    interval = sampler._next_step - 1
+    assert interval >= 10
+    assert sampler._cost_s / interval <= USS_COST_BUDGET * step_time_s or interval == 10
+    assert sampler.sample(interval, step_time_s) is None  # not due yet
+    assert interval == max(10, math.ceil(sampler._cost_s / (USS_COST_BUDGET * step_time_s)))
 
 
 def test_sigkill_mid_run_keeps_a_whole_record_of_every_finished_step(tmp_path):

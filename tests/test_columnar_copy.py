@@ -295,3 +295,29 @@ def test_the_analyses_let_a_stream_go_after_its_last_reader_and_keep_what_the_pa
     frames.clear_cache()
     assert run_all(run) == findings  # the same findings whatever is kept
     assert not frames._CACHE
+
+
+def test_a_part_that_reads_back_different_is_not_kept(tmp_path, monkeypatch):
+    """Every part is read back (a column at a time) and compared with the rows it was written from: a
+    writer that wrote other values leaves no copy, and says so in one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from ciuic_doctor.rundir.columnar import layout, write
+
+    written = pq.write_table
+
+    def wrong_values(table, where, **options):
+        return written(table.set_column(1, "loss", pa.array([9.5] * table.num_rows)), where, **options)
+
+    table = pa.table({"rank": pa.array([0, 1, 1025], pa.int64()), "loss": pa.array([1.0, 2.0, 3.0])})
+    monkeypatch.setattr(pq, "write_table", wrong_values)
+    why = write.save(tmp_path, "steps", [], table, layout.Counts())
+    assert why == (
+        "no columnar copy of steps written: rank_block=0/part-0.parquet: read back differs from the "
+        "records it was written from"
+    )
+    assert list((tmp_path / "columnar").iterdir()) == []
+    monkeypatch.setattr(pq, "write_table", written)
+    assert not isinstance(write.save(tmp_path, "steps", [], table, layout.Counts()), str)
+    assert layout.read_manifest(tmp_path, "steps").rows == 3

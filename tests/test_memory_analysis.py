@@ -298,3 +298,34 @@ def test_a_short_job_sampled_in_time_is_not_judged_a_leak(tmp_path):
     # either way the summary names the 4 steps and asks for more
     assert "outside its 4 recorded step(s)" in leak.summary or "made only 4 step(s)" in leak.summary
     assert "run more steps" in leak.summary
+
+
+def test_ranks_on_two_hosts_with_the_same_pid_are_two_processes(tmp_path):
+    """Nodes booted alike give their ranks the same PIDs: rank 0 on node-a and rank 1 on node-b are both
+    PID 4242 here. Each is its own process (host and PID): rank 0's growth is rank 0's, rank 1 is flat."""
+    run = RunDir.create(tmp_path / "run")
+    t0 = 1_760_000_000.0
+    for rank in (0, 1):
+        writer = run.writer("steps", rank=rank, per_rank_file=True)
+        for step in range(1, 301):
+            writer.write({"step": step, "t": t0 + step, "step_time_s": 1.0, "rank": rank})
+        writer.close()
+    writer = run.writer("memwatch")
+    for sample in range(302):
+        for rank, host in ((0, "node-a"), (1, "node-b")):
+            anon = 2 * GIB + (sample * 8 * MIB if rank == 0 else 0)  # rank 0 leaks 8 MiB a step
+            writer.write(
+                {"t": t0 + sample, "sample": sample, "host": host, "pid": 4242, "role": f"rank {rank}",
+                 "rank": rank, "rss": anon + 100 * MIB, "anon": anon, "uss": anon, "pss": anon,
+                 "sys_total_bytes": 64 * GIB, "sys_available_bytes": 32 * GIB}
+            )  # fmt: skip
+    writer.close()
+    findings = memory.analyze(run)
+    leaking = _leak(findings, "host", 0)
+    assert leaking.verdict in ("warn", "fail"), leaking.summary
+    assert leaking.evidence["pid"] == 4242  # the PID as the host has it, not the key that tells them apart
+    assert leaking.where["hosts"] == ["node-a"]
+    assert leaking.evidence["ranks_checked"] == 2
+    assert leaking.evidence["slope_bytes_per_step"] == 8 * MIB
+    flat = _leak(findings, "host", 1)
+    assert flat.verdict == "pass", flat.summary

@@ -19,6 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.analysis.memory.blocks import _DataBlock, in_blocks
+from ciuic_doctor.analysis.memory.columns import pid_of
 from ciuic_doctor.analysis.memory.data import (
     LEAK_MIN_FRACTION,
     LEAK_R2,
@@ -279,7 +280,7 @@ def _host_fits(data: _Data) -> RankFits:
         info = {
             "metric": metric,
             "source": "memwatch",
-            "pid": index.pids,
+            "pid": [pid_of(p) for p in index.pids],
             "host": _memwatch_hosts(data, index),
         }
         candidates.append((points, step_unit, wanted, info))
@@ -336,7 +337,7 @@ def _device_fits(data: _Data) -> RankFits:
         info = {
             "metric": "gpu_bytes",
             "source": "memwatch",
-            "pid": index.pids,
+            "pid": [pid_of(p) for p in index.pids],
             "host": _memwatch_hosts(data, index),
         }
         candidates.append((points, step_unit, nvml, info))

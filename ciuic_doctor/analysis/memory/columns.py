@@ -48,9 +48,50 @@ class LazyColumns(dict):
             return default
 
 
+PID_BITS = 32  # a process key: its PID, plus its host's place above these bits when the PID is on two hosts
+
+
+def pid_of(key: int | None) -> int | None:
+    """The PID of a process key (`MemwatchColumns`' keys).
+
+    >>> pid_of(4242), pid_of(4242 + (3 << PID_BITS)), pid_of(None)
+    (4242, 4242, None)
+    """
+    return None if key is None else key & ((1 << PID_BITS) - 1)
+
+
+def _process_keys(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(each sample's process key, the stable order that groups them). A process is its host and PID:
+    nodes booted alike give their ranks the same PIDs, and keyed by PID alone two ranks on two nodes
+    were one series (half the slope, one rank checked). The key is the PID itself unless that PID is on
+    more than one host; then the host's dictionary code goes above PID_BITS (`pid_of` takes it off)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    pid = table["pid"].to_numpy()
+    order = np.argsort(pid, kind="stable")
+    if "host" not in table.column_names:
+        return pid, order
+    host = table["host"]
+    if not pa.types.is_dictionary(host.type):
+        host = pc.dictionary_encode(host)
+    host = pa.table({"host": host}).unify_dictionaries().column(0).combine_chunks()
+    codes = host.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    by_pid, codes_by_pid = pid[order], codes[order]
+    other_host = (by_pid[1:] == by_pid[:-1]) & (codes_by_pid[1:] != codes_by_pid[:-1])
+    if not other_host.any():  # every PID on one host (one node, or nodes that differ): the PID is the key
+        return pid, order
+    shared = np.isin(pid, np.unique(by_pid[1:][other_host]))
+    key = np.where(shared, pid + ((codes + 2) << PID_BITS), pid)
+    return key, np.argsort(key, kind="stable")
+
+
 class MemwatchColumns(Mapping):
-    """Samples per PID (as a mapping: pid -> that process's samples as records, built when asked —
-    the worker check reads a few). `roles`: each PID's last role, PIDs in order of first appearance."""
+    """Samples per process (as a mapping: process key -> that process's samples as records, built when
+    asked — the worker check reads a few). `roles`: each process's last role, in order of first
+    appearance. A process key is its PID, made unique by its host where two hosts share the PID
+    (`pid_of` gives the PID back)."""
 
     COLUMNS = ("pid", "role", "host", *NUMERIC)
 
@@ -83,8 +124,7 @@ class MemwatchColumns(Mapping):
         # order for the job (PID-ordered copies of six columns were 480 MB at 10,000 ranks): a block of
         # ranks or one process gathers its own samples through `order` (`gather`); `flat`, the whole
         # job's, is for a run of at most one block (`memory.blocks`).
-        pid = table["pid"].to_numpy()
-        order = np.argsort(pid, kind="stable")
+        pid, order = _process_keys(table)
         if len(order) < 2**31:  # 40 MB instead of 80 at 10,000 ranks
             order = order.astype(np.int32)
         pid = pid[order]
@@ -156,7 +196,7 @@ class MemwatchColumns(Mapping):
             raise KeyError(pid)
         if pid not in self._cache:
             arrays = {name: self.column(pid, name) for name in NUMERIC}
-            base = {"pid": pid, "role": self.roles[pid], "host": self._hosts[pid]}
+            base = {"pid": pid_of(pid), "role": self.roles[pid], "host": self._hosts[pid]}
             self._cache[pid] = [
                 {**base, **{k: float(v[i]) if v[i] == v[i] else None for k, v in arrays.items()}}
                 for i in range(len(arrays["t"]))

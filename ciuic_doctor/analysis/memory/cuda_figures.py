@@ -18,6 +18,7 @@ from ciuic_doctor.analysis.memory.batch import (
     without_points,
 )
 from ciuic_doctor.analysis.memory.blocks import _DataBlock, in_blocks
+from ciuic_doctor.analysis.memory.columns import pid_of
 from ciuic_doctor.analysis.memory.data import WARMUP_STEPS, _Data
 from ciuic_doctor.analysis.stats.batch_trend import RankSeries
 
@@ -83,7 +84,7 @@ def _non_pytorch_fits(data: _Data) -> NonPytorch:
     first_pid = [None] * count
     first_host = [None] * count
     for i in np.unique(ids).tolist():
-        first_pid[i] = index.pids[i]
+        first_pid[i] = pid_of(index.pids[i])
         first_host[i] = data.memwatch.host(index.pids[i])
     reserved = data.steps.flat("mem_reserved") if len(data.steps) else np.empty(0)
     with_reserved = ~np.isnan(reserved)

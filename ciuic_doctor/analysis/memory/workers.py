@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from ciuic_doctor.analysis.memory.columns import pid_of
 from ciuic_doctor.analysis.memory.data import MIB, MIN_POINTS, PROBE, Series, _Data, _grows, _not_run, _trend
 from ciuic_doctor.analysis.memory.ranks import one_per_job
 from ciuic_doctor.rundir.findings import Finding
@@ -52,7 +53,7 @@ def _rank_workers(data: _Data, rank: int) -> Finding:
                 x_unit="s",
                 metric=metric,
                 source="memwatch",
-                pid=pid,
+                pid=pid_of(pid),
             )
             trends[metric] = _trend(series)
         if trends["uss"] is not None:
@@ -73,7 +74,7 @@ def _rank_workers(data: _Data, rank: int) -> Finding:
     evidence = {
         "workers": len(fits),
         "growing_workers": len(growing),
-        "pids": [pid for pid, _ in fits],
+        "pids": [pid_of(pid) for pid, _ in fits],
         "uss_slope_bytes_per_s": round(statistics.median(t["uss"].slope for _, t in fits), 1),
         "uss_growth_mb": round(uss_mb, 2),
         "rss_growth_mb": None if rss_mb is None else round(rss_mb, 2),

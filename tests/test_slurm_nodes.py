@@ -340,3 +340,32 @@ def test_verify_nproc_is_ranks_per_node_on_a_job_that_spanned_nodes(monkeypatch:
     assert (asked.nnodes, asked.nproc_per_node, asked.batch.nodes) == (2, 1, 2)
     recorded = spread_for(meta, SlurmChoice(force=True), "run")
     assert (recorded.nnodes, recorded.nproc_per_node) == (2, 4)
+
+
+@pytest.mark.skipif(not all(map(shutil.which, ("sbatch", "srun", "scancel"))), reason="no Slurm commands")
+def test_verify_shows_what_runs_on_the_nodes_before_it_asks(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unsigned two-node run: the line verify shows before it runs anything is the command each node
+    runs (under torchrun, 2 nodes x 4 ranks) and where (a batch job per run), not the one-host command."""
+    from types import SimpleNamespace
+
+    from ciuic_doctor.rundir.store import RunDir
+    from ciuic_doctor.verify import _trusted
+    from ciuic_doctor.verify.consent import Consent
+    from ciuic_doctor.verify.nodes import SlurmChoice, spread_for
+    from ciuic_doctor.verify.runner import JobCommand
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a login node: one batch job per run
+    run = RunDir.create(tmp_path / "run")
+    meta = {"observed": {"job": {"nodes": 2, "procs_per_node": 4}}}
+    command = JobCommand(kind="watch", base=["watch"], tail=["--", "train.py", "--lr", "3e-4"], cwd="/work")
+    command.spread = spread_for(meta, SlurmChoice(force=True), str(run.path))
+    said: list[str] = []
+    why = _trusted(run, meta, command, SimpleNamespace(consent=Consent(yes=True)), said.append)
+    assert why  # not signed: shown, then run because of --yes
+    (line,) = said
+    assert "-m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d" in line
+    assert "-m ciuic_doctor watch --out" in line
+    shown = "-- train.py --lr 3e-4` in /work with your own environment"
+    assert line.endswith(f"{shown}, on 2 node(s) x 4 rank(s) of a Slurm batch job per run")

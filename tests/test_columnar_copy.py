@@ -321,3 +321,24 @@ def test_a_part_that_reads_back_different_is_not_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(pq, "write_table", written)
     assert not isinstance(write.save(tmp_path, "steps", [], table, layout.Counts()), str)
     assert layout.read_manifest(tmp_path, "steps").rows == 3
+
+
+@pytest.mark.parametrize("rows_at_a_time", [1, 3, 1 << 20])
+def test_parts_of_ranks_in_order_are_found_a_block_of_rows_at_a_time(monkeypatch, rows_at_a_time):
+    """Per-rank files read in rank order: the parts are slices, found a block of rows at a time (never the
+    whole table's keys), the same wherever the blocks of rows and the table's chunks fall; ranks out of
+    order or without a rank take the general path (rows' places)."""
+    import pyarrow as pa
+
+    from ciuic_doctor.rundir.columnar import write
+
+    monkeypatch.setattr(write, "CUT_ROWS", rows_at_a_time)
+    ranks = [0, 0, 5, 1023, 1024, 1024, 2047, 3000, 3000, 9000]
+    table = pa.table({"rank": pa.chunked_array([ranks[:4], ranks[4:7], ranks[7:]], pa.int64())})
+    assert write.cut(table) == ([(0, (0, 4)), (1, (4, 7)), (2, (7, 9)), (8, (9, 10))], True)
+    shuffled = pa.table({"rank": pa.array([1024, 0, 1025], pa.int64())})
+    parts, ordered = write.cut(shuffled)
+    assert not ordered
+    assert [(block, rows.tolist()) for block, rows in parts] == [(0, [1]), (1, [0, 2])]
+    unranked = pa.table({"rank": pa.array([None, 0], pa.int64())})
+    assert [block for block, _ in write.cut(unranked)[0]] == [None, 0]

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import pyarrow
 
 NULL_KEY = -(2**62)  # the sort key of a record without a rank: before every real block
+CUT_ROWS = 1 << 20  # rows whose rank blocks `cut` finds at a time (8 MB of keys) when the ranks are in order
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -47,6 +48,31 @@ def block_keys(table: pyarrow.Table) -> np.ndarray:
     return keys
 
 
+def _ordered_cut(table: pyarrow.Table) -> list[tuple[int | None, Any]] | None:
+    """`cut`'s parts when every row has a rank and the ranks' blocks never go down (per-rank files, read in
+    rank order), found a million rows at a time; None otherwise. The whole table's keys were 160 MB at
+    10,000 ranks x 1,000 steps, made while both streams' tables are held: the first report's peak."""
+    import numpy as np
+
+    if "rank" not in table.column_names or table.column("rank").null_count or not table.num_rows:
+        return None
+    parts: list[tuple[int | None, Any]] = []
+    block, start, at = None, 0, 0
+    for chunk in table.column("rank").chunks:
+        values = chunk.to_numpy()
+        for lo in range(0, len(values), CUT_ROWS):
+            keys = np.floor_divide(values[lo : lo + CUT_ROWS], RANKS_PER_PART)
+            if (block is not None and keys[0] < block) or (keys[1:] < keys[:-1]).any():
+                return None
+            for i in np.flatnonzero(np.r_[block is None or keys[0] != block, keys[1:] != keys[:-1]]).tolist():
+                if block is not None:
+                    parts.append((block, (start, at + i)))
+                block, start = int(keys[i]), at + i
+            at += len(keys)
+    parts.append((block, (start, at)))
+    return parts
+
+
 def cut(table: pyarrow.Table) -> tuple[list[tuple[int | None, Any]], bool]:
     """The table's parts as (rank block, rows), one per block in block order, and whether the parts are
     in the table's order. Rows a rank's file holds in rank order (the steps of per-rank files) are a
@@ -55,6 +81,8 @@ def cut(table: pyarrow.Table) -> tuple[list[tuple[int | None, Any]], bool]:
     once would be a second copy of the stream."""
     import numpy as np
 
+    if (ordered := _ordered_cut(table)) is not None:
+        return ordered, True
     keys = block_keys(table)
     if not len(keys):
         return [], True

@@ -25,7 +25,7 @@ import torch
 
 # USS reads may take at most 0.05 % of the step time, amortised. A read walks the page tables: 2.8 ms for a
 # small CPU torch process here, so at 0.2 % it alone was a fifth of watch's 1 % on a 25 ms step (50 us).
-# USS moves slowly; a rank's steps still carry it every ~2 s at 25 ms steps, RSS every step.
+# USS moves slowly; a rank's steps still carry it every ~6 s at 25 ms steps, RSS every step.
 USS_COST_BUDGET = 0.0005
 MAX_PENDING = 64  # records waiting for the device; beyond this the oldest is waited for
 

@@ -269,7 +269,7 @@ def goodput_finding(good: dict[int, dict[str, float]], signs: Signs | None = Non
     note = f"; below {GOODPUT_WARN:.0%} after start-up" if verdict == "warn" else ""
     if low and verdict == "pass":
         note = f"; {worst['steps']} steps after start-up are too few to judge (from {GOODPUT_MIN_STEPS})"
-    longer = "(stalls, checkpoints, data waits)"
+    longer = "(stalls, evaluation, checkpoints, data waits)"
     if signs is not None:
         longer = "(steps of unequal work, not stalls)"
         note = (

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import shutil
 import signal
 import sys
@@ -42,6 +43,7 @@ import psutil
 from ciuic_doctor.machine import nvml
 from ciuic_doctor.probes.memwatch.proc import BasicReader
 from ciuic_doctor.probes.memwatch.tree import ProcessTree, attach, cmdline_of, owner_of, safe_call
+from ciuic_doctor.rundir.frames import part_writer
 from ciuic_doctor.rundir.store import JsonlWriter, RunDir
 
 STREAM = "memwatch"  # one record per process per sample, nothing else (the report reads it as is)
@@ -349,6 +351,8 @@ def watch(config: MemwatchConfig, run_path: Path, *, progress: Callable[[str], N
                 "duration_s": round(result.duration_s, 3),
             }
         )
+    # the file's columnar part for the report (frames.file_parts): one memwatch a node writes one file each
+    part_writer.write_at_exit(writer.path, STREAM, copies=_nodes() if index is not None else 1)
     if index is not None:  # merged one level deep: each node's entry is kept beside the others
         from ciuic_doctor.cluster import node_name
 
@@ -371,6 +375,12 @@ def watch(config: MemwatchConfig, run_path: Path, *, progress: Callable[[str], N
         nvml_reason=gpu.reason,
     )
     return result
+
+
+def _nodes() -> int:
+    """The nodes of the Slurm allocation (one memwatch each), 1 outside one."""
+    raw = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES") or "1"
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def _loop(

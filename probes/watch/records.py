@@ -8,6 +8,7 @@ the replicas' weight checksums (a collective every watched rank calls at the sam
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -108,6 +109,18 @@ class StepRecords:
                 return gathered
         return None
 
+    def _close_stream(self) -> None:
+        """Close the steps file; in the process that wrote it, leave the file's columnar part for the report
+        (`frames.file_parts`: ~20 ms for 1,000 steps, once the script is done; the first report of a
+        10,000-rank job then reads 10,000 parts instead of parsing 5.3 GB of JSON)."""
+        if self._writer is None:
+            return
+        self._writer.close()
+        if not self._broken and os.getpid() == self._pid and self.steps_written:
+            from ciuic_doctor.rundir.frames import part_writer
+
+            part_writer.write_at_exit(self._writer.path, STREAM, copies=_world_size())
+
     def _write(self, pending: Any) -> None:
         values = pending.values()
         record = pending.record
@@ -122,3 +135,13 @@ class StepRecords:
             self._snapshot.observe(full["step"], full["mem_allocated"])
         for listener in self._listeners:
             listener(full)
+
+
+def _world_size() -> int:
+    """How many ranks write a steps file like this one (torchrun's WORLD_SIZE, else the process group's)."""
+    try:
+        if (size := int(os.environ.get("WORLD_SIZE") or 0)) > 0:
+            return size
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    except (ValueError, RuntimeError):
+        return 1

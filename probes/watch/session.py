@@ -278,8 +278,7 @@ class WatchSession(StepRecords):
             self._guarded(self._queue.flush)
         if self._snapshot is not None:
             self._guarded(self._snapshot.stop)
-        if self._writer is not None:
-            self._writer.close()
+        self._close_stream()
         if _ACTIVE.get("session") is self:
             del _ACTIVE["session"]
 

@@ -32,16 +32,19 @@ stays on the fast path. A free field's value of the wrong type for its column be
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ciuic_doctor.rundir import columnar_schema
 from ciuic_doctor.rundir.columnar_schema import COLUMN_TYPES, _coerce, arrow_type, schema_for
+from ciuic_doctor.rundir.frames import file_parts
 from ciuic_doctor.rundir.frames.assemble import Assembler, add_big, plain_strings, task_bytes
 from ciuic_doctor.rundir.frames.cache import (  # noqa: F401 - the cache's API, as frames.<name>
     _CACHE,
@@ -279,18 +282,33 @@ def read_table(
     columns = list(dict.fromkeys(columns))
     if stream is None and files:
         stream = stream_of(files[0].name)
-    tasks = _batches(files, stream)
-    units = [  # what the threads do: a task, or one piece of a big file
+    # the parts probes leave at their exit (file_parts): a file that has one is not parsed at all
+    parted = file_parts.available(files) if stream in STREAM_COLUMNS else set()
+    tasks = _batches(files, stream, parted)
+    units = [  # what the threads do: a task, or one piece of a big file (a batch of its part)
         (task, piece)
         for task in tasks
-        for piece in (range(len(task.ranges)) if isinstance(task, BigFile) else [None])
+        for piece in (
+            range(len(task.ranges))
+            if isinstance(task, BigFile)
+            else range(task.batches)
+            if isinstance(task, file_parts.PartFile)
+            else [None]
+        )
     ]
 
-    def work(unit: tuple[list[Path] | BigFile, int | None]) -> Any:
+    def work(unit: tuple[Any, int | None]) -> Any:
         task, piece = unit
         if isinstance(task, BigFile):
             return _read_range(task.path, *task.ranges[piece], columns, stream)
-        return _read_task(task, columns, stream)
+        if isinstance(task, file_parts.PartFile):
+            return file_parts.read_batch(task, piece, columns, stream)
+        if isinstance(task, file_parts.PartRun):
+            return file_parts.read_run(task, columns, stream, parse=lambda p: _read_one(p, columns, stream))
+        return _read_task(task, columns, stream), 0
+
+    def parse(path: Path) -> Part:  # a big file whose part did not check
+        return _read_jsonl(path, columns, stream)
 
     def by_row(path: Path) -> Part:  # a big file a piece of which failed its checks
         return _read_rows(path, columns, stream)
@@ -305,13 +323,22 @@ def read_table(
     sizes = [task_bytes(task) for task in tasks]  # what the rows to reserve are estimated from
     table = Assembler(total_bytes=sum(sizes))
     parts: list[tuple[Part, bool]] = []  # each part's counts; its table is let go once copied
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        done = pool.map(work, units)  # in order, each result let go by the pool as it is taken
+    part_files = 0
+    # one unit (a rank's file, as watch reads its own at exit): no pool, which could not start threads
+    # once the interpreter is shutting down (an atexit handler)
+    with ThreadPoolExecutor(max_workers=threads) if threads > 1 else contextlib.nullcontext() as pool:
+        done = pool.map(work, units) if pool else map(work, units)  # in order, each let go as taken
         for task, size in zip(tasks, sizes, strict=True):
             if isinstance(task, BigFile):
                 parts.append((add_big(task, done, table, by_row, lines_by_row), False))
                 continue
-            read = next(done)
+            if isinstance(task, file_parts.PartFile):
+                counts, used = file_parts.add_batches(task, done, table, columns, partial(parse, task.path))
+                part_files += used
+                parts.append((counts, False))
+                continue
+            read, used = next(done)
+            part_files += used
             for (part, *rest), parquet in read:
                 table.add(part, nbytes=size // len(read))
                 parts.append(((None, *rest), parquet))
@@ -325,6 +352,7 @@ def read_table(
         files=files,
         dropped_lines=sum(p[0][1] for p in parts),
         parquet_files=sum(p[1] for p in parts),
+        part_files=part_files,
     )
     for (_, _, nulled, invalid), _ in parts:
         for column, count in nulled.items():

@@ -292,6 +292,8 @@ def task_bytes(task: list[Path] | BigFile) -> int:
     """The bytes a task reads (what the rows to reserve are estimated from)."""
     if isinstance(task, BigFile):
         return task.ranges[-1][1] if task.ranges else 0
+    if not isinstance(task, list):  # a big file's part (file_parts.PartFile): its JSONL's size
+        task = [task.path]
     total = 0
     for path in task:
         with contextlib.suppress(OSError):  # its own read says what is wrong with it

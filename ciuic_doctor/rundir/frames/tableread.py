@@ -26,6 +26,7 @@ class TableRead:
     invalid_records: int = 0
     invalid_reasons: dict[str, int] = field(default_factory=dict)
     parquet_files: int = 0
+    part_files: int = 0  # files read from the part their writer left at its exit (`frames.file_parts`)
     copy_id: str | None = None  # the columnar copy read or written (`rundir.columnar`), for block readers
 
     def frame(self) -> pandas.DataFrame:
@@ -53,6 +54,7 @@ class TableRead:
             invalid_records=self.invalid_records,
             invalid_reasons=self.invalid_reasons,
             parquet_files=self.parquet_files,
+            part_files=self.part_files,
             copy_id=self.copy_id,
         )
 

@@ -24,12 +24,14 @@ previous row's, divided by its growth in records (≤ 1.00: no faster than linea
     .venv/bin/python benchmarks/report_scale.py --cpu-only    # the issue-15 generator (no GPU fields)
     .venv/bin/python benchmarks/report_scale.py --sizes 100000x100 --root /tmp/rs --keep --browser
 
-Each size is reported three times: `first` parses the JSONL (its columnar copy removed before) and
-writes the copy; `second` reads the copy (no JSON parsed), analyses again (`--reanalyze`) and must name
-the same findings; `again` is a plain `report` of the unchanged run (its findings are current: only the
-page is built, from the copy). Goals: 10,000 ×
-1,000 first ≤ 60 s, second ≤ 20 s, ≤ 3 GB; 100,000 × 100 (100,000 step files: the file-count cost)
-≤ 120 s, ≤ 4 GB, report.html ≤ 5 MB.
+Each size is reported four times: `json` parses the JSONL (no copy of any kind: a killed job's run, or
+an imported one) and writes the columnar copy; `first` is a run's first report as a watched job leaves it:
+each steps and memwatch file's part, written by its probe at exit (rundir/frames/part_writer.py; here two
+processes write them all, timed apart and shown per rank), read instead of parsed, and the copy written;
+`second` reads the copy (no JSON parsed), analyses again (`--reanalyze`); `again` is a plain `report` of
+the unchanged run (its findings are current: only the page is built, from the copy). Every row must name
+the same findings as `json`. Goals: 10,000 × 1,000 first ≤ 60 s, second ≤ 20 s, ≤ 3 GB; 100,000 × 100
+(100,000 step files: the file-count cost) ≤ 120 s, ≤ 4 GB, report.html ≤ 5 MB.
 
 Runs are written under --root (default: a temporary folder; use /tmp, not the repository: 10,000 ranks
 is ~10 GB) and deleted after their row unless --keep; --reuse takes a run kept under --root before
@@ -55,9 +57,12 @@ sys.path.insert(0, str(REPO))
 # (ranks, which report) -> wall s, peak RSS bytes, html bytes. The first report parses the JSONL and
 # writes the columnar copy (ciuic_doctor/rundir/columnar); the second reads the copy.
 GOALS = {
+    (1024, "json"): (30.0, 2e9, 3 * 2**20),
     (1024, "first"): (30.0, 2e9, 3 * 2**20),
+    (10000, "json"): (60.0, 3e9, None),
     (10000, "first"): (60.0, 3e9, None),
     (10000, "second"): (20.0, 3e9, None),
+    (100000, "json"): (120.0, 4e9, 5 * 2**20),
     (100000, "first"): (120.0, 4e9, 5 * 2**20),
     (100000, "second"): (120.0, 4e9, 5 * 2**20),
 }
@@ -156,6 +161,42 @@ def browser(run: Path) -> str:
     )
 
 
+def _write_part(path: str) -> tuple[float, int]:
+    """(CPU s, bytes) of one file's part, as its probe writes it at exit (frames.file_parts)."""
+    from ciuic_doctor.rundir.frames import part_writer
+
+    t0 = time.process_time()
+    part = part_writer.write(Path(path))
+    return time.process_time() - t0, part.stat().st_size if part else 0
+
+
+def exit_parts(run: Path, *, reused: bool) -> str:
+    """Each steps and memwatch file's part, written as watch and memwatch write them when they end (here
+    two processes write them all; on a job, each rank and node writes its own). A reused run's parts
+    that still fit their files are kept."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    from ciuic_doctor.rundir.frames import file_parts
+
+    files = [*run.glob("memwatch.jsonl"), *run.glob("memwatch.rank*.jsonl"), *run.glob("steps.rank*.jsonl")]
+    if reused:
+        fresh = file_parts.available(files)
+        files = [f for f in files if not (str(f) in fresh and file_parts.probe(f, None) is not None)]
+    if not files:
+        return "exit parts: every file's part kept from before"
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        done = list(pool.map(_write_part, map(str, files), chunksize=64))
+    steps = [cpu for f, (cpu, _) in zip(files, done, strict=True) if f.name.startswith("steps.")]
+    others = [cpu for f, (cpu, _) in zip(files, done, strict=True) if not f.name.startswith("steps.")]
+    per_rank = f"{1e3 * sum(steps) / len(steps):.1f} ms CPU a rank's steps file" if steps else ""
+    memwatch = f", memwatch {sum(others):.1f} s CPU" if others else ""
+    return (
+        f"exit parts: {len(files)} files in {time.perf_counter() - t0:.0f} s on 2 processes ({per_rank}"
+        f"{memwatch}; {sum(b for _, b in done) / 2**20:.0f} MiB)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,15 +253,19 @@ def main() -> None:
         stream_bytes = sum(p.stat().st_size for p in run.glob("*.jsonl"))
         records = records_of(run)
         extra = args.report_args.split()
-        for which in ("first",) if args.first_only else ("first", "second", "again"):
-            if which == "first":  # the JSONL parsed, as by a run's first report
+        for which in ("json", "first") if args.first_only else ("json", "first", "second", "again"):
+            if which == "json":  # no copy of any kind: the JSONL parsed (a killed job, an imported run)
                 shutil.rmtree(run / "columnar", ignore_errors=True)
+            if which == "first":  # as after a watched job: each file's part left by its probe at exit
+                print(f"    {exit_parts(run, reused=reused)}", flush=True)
+                for stream in ("steps", "memwatch"):
+                    shutil.rmtree(run / "columnar" / stream, ignore_errors=True)
             load = os.getloadavg()[0]
             wall, cpu, rss = report(run, extra=extra, reanalyze=which != "again")
             html = (run / "report.html").stat().st_size
             seen = named(run, plan)
             growth = ""
-            if which == "first":
+            if which == "json":
                 growth = "" if previous is None else f"{(cpu / previous[0]) / (records / previous[1]):.2f}"
                 previous = (cpu, records)
             yes = {True: "named", False: "MISSED", None: "n/a"}
@@ -240,12 +285,12 @@ def main() -> None:
                     f"peak RSS {rss / goal_rss:.2f}{html_part}"
                 )
             findings = json.loads((run / "findings.json").read_text())["findings"]
-            if which == "first":
+            if which == "json":
                 first_findings = findings
             elif findings != first_findings:
-                print("    SECOND REPORT'S FINDINGS DIFFER FROM THE FIRST'S", flush=True)
+                print("    THESE FINDINGS DIFFER FROM THE JSONL REPORT'S", flush=True)
             else:
-                print("    findings identical to the first report's", flush=True)
+                print("    findings identical to the JSONL report's", flush=True)
         if args.browser:
             print(f"    {browser(run)}", flush=True)
         if args.profile_hang:

@@ -263,12 +263,17 @@ def _read_one(path: Path, columns: Sequence[str], stream: str | None) -> tuple[P
 
 
 def read_table(
-    files: Iterable[Path], columns: Sequence[str], stream: str | None = None, *, encoded: bool = False
+    files: Iterable[Path],
+    columns: Sequence[str],
+    stream: str | None = None,
+    *,
+    encoded: bool = False,
+    use_parts: bool = True,
 ) -> TableRead:
     """`columns` of every valid record in `files` (file order, then line order), files read in parallel.
     `stream` names the schema the records must fit (default: the stream the first file's name says).
     `encoded`: string columns of few values stay dictionary-encoded (the cache keeps them so; `select`
-    decodes them for a reader).
+    decodes them for a reader). `use_parts`: read a file from the part its probe left (`file_parts`).
 
     Small files (a rank's steps) are parsed BATCH_BYTES at a time (`_read_batch`): at 10,000 ranks the
     per-file cost of a parse and its checks (~4 ms) outweighed the parse itself."""
@@ -283,7 +288,7 @@ def read_table(
     if stream is None and files:
         stream = stream_of(files[0].name)
     # the parts probes leave at their exit (file_parts): a file that has one is not parsed at all
-    parted = file_parts.available(files) if stream in STREAM_COLUMNS else set()
+    parted = file_parts.available(files) if use_parts and stream in STREAM_COLUMNS else set()
     tasks = _batches(files, stream, parted)
     units = [  # what the threads do: a task, or one piece of a big file (a batch of its part)
         (task, piece)

@@ -39,7 +39,9 @@ def write(jsonl: Path, stream: str | None = None) -> Path | None:
     before = _source(jsonl)
     if stream not in STREAM_COLUMNS or before is None or before[1] > MAX_SOURCE_BYTES:
         return None
-    read = read_table([jsonl], STREAM_COLUMNS[stream], stream)
+    # the JSONL itself, not a part written before: and no listing of columnar/_files, which holds
+    # every other file's part (100,000 ranks: one listing a write made writing them all quadratic)
+    read = read_table([jsonl], STREAM_COLUMNS[stream], stream, use_parts=False)
     if _source(jsonl) != before:
         return None
     meta = {

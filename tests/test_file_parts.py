@@ -150,6 +150,10 @@ def _tamper(part: Path, how: str, other: Path) -> None:
     if how == "symlink":  # a valid part of another file, planted by name
         part.unlink()
         part.symlink_to(other)
+    elif how == "folder symlink":  # columnar/_files itself, pointing elsewhere
+        elsewhere = other.parent / "elsewhere"
+        part.parent.rename(elsewhere)
+        part.parent.symlink_to(elsewhere, target_is_directory=True)
     elif how == "garbage":
         part.write_bytes(b"ARROW1\x00\x00" + os.urandom(4000))
     elif how == "cut":
@@ -172,7 +176,9 @@ def _tamper(part: Path, how: str, other: Path) -> None:
             writer.write_table(table)
 
 
-@pytest.mark.parametrize("how", ["symlink", "garbage", "cut", "retyped", "rows", "counts", "other source"])
+@pytest.mark.parametrize(
+    "how", ["symlink", "folder symlink", "garbage", "cut", "retyped", "rows", "counts", "other source"]
+)
 def test_a_part_that_does_not_check_is_never_read(watched, tmp_path, how):
     run = tmp_path / "run"
     shutil.copytree(watched, run, symlinks=True)

@@ -117,14 +117,29 @@ def _dir_fd(root: Path, parts: tuple[str, ...]) -> Iterator[int]:
         os.close(fd)
 
 
-def open_regular(path: Path, *, max_bytes: int, root: Path | None = None) -> int:
+def folder(root: Path, parts: tuple[str, ...]) -> contextlib.AbstractContextManager[int]:
+    """A descriptor of root/parts... for `open_regular(name, dir_fd=...)` of many files in it: no part
+    below `root` is followed if it is a symlink (`Unsafe`), and the walk is made once, not a file."""
+    return _dir_fd(Path(root), parts)
+
+
+def open_regular(path: Path, *, max_bytes: int, root: Path | None = None, dir_fd: int | None = None) -> int:
     """A read-only descriptor of a regular file of at most `max_bytes`; `Unsafe` (an OSError) otherwise.
 
-    With `root`, `path` must lie below it and no folder between them may be a symlink; the last part
-    is never followed either way.
+    With `root`, `path` must lie below it and no folder between them may be a symlink; with `dir_fd`
+    (a folder opened by `folder`), `path` is a name in that folder. The last part is never followed.
     """
     path = Path(path)
-    if root is not None:
+    if dir_fd is not None:
+        if len(path.parts) != 1:
+            raise Unsafe(path, "not a name in its folder")
+        try:
+            fd = os.open(path.name, _READ, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise
+            raise Unsafe(path, _why(exc)) from None
+    elif root is not None:
         try:
             rel = path.relative_to(root)
         except ValueError:

@@ -29,6 +29,7 @@ and the file is parsed as before. So a part changes how fast a report reads, nev
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -96,7 +97,7 @@ def available(files: Sequence[Path]) -> set[str]:
     return out
 
 
-def _open(jsonl: Path, stream: str | None) -> tuple[Any, dict[str, Any]] | None:
+def _open(jsonl: Path, stream: str | None, dir_fd: int | None = None) -> tuple[Any, dict[str, Any]] | None:
     """(an IPC file reader, the part's metadata) when the part fits the file as it is now; None otherwise.
     A part of up to WHOLE_BYTES is read in one go; a bigger one (a whole job's memwatch.jsonl) through
     its descriptor, a record batch at a time."""
@@ -106,7 +107,10 @@ def _open(jsonl: Path, stream: str | None) -> tuple[Any, dict[str, Any]] | None:
 
     target = part_path(jsonl)
     try:
-        fd = safe_io.open_regular(target, max_bytes=MAX_PART_BYTES, root=Path(jsonl).parent)
+        if dir_fd is None:
+            fd = safe_io.open_regular(target, max_bytes=MAX_PART_BYTES, root=Path(jsonl).parent)
+        else:  # columnar/_files opened once for a run of files (`read_run`)
+            fd = safe_io.open_regular(Path(target.name), max_bytes=MAX_PART_BYTES, dir_fd=dir_fd)
     except OSError:
         return None
     fh = os.fdopen(fd, "rb")
@@ -142,15 +146,20 @@ def _meta_ok(meta: Any, stream: str | None) -> bool:
     return _counts(meta.get("nulled_values")) and _counts(meta.get("invalid_reasons"))
 
 
+@functools.lru_cache(maxsize=16)
+def _types(columns: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    from ciuic_doctor.rundir.columnar_schema import arrow_type
+
+    return tuple((name, arrow_type(name)) for name in columns)
+
+
 def _typed(table: pyarrow.Table, columns: Sequence[str]) -> pyarrow.Table | None:
     """`columns` of a part's rows when each has exactly the reader's type and Arrow's full validation
     passes (a part is data: offsets, lengths and nulls are checked before anything reads them)."""
     import pyarrow as pa
 
-    from ciuic_doctor.rundir.columnar_schema import arrow_type
-
-    names = set(table.column_names)
-    if any(c not in names or table.schema.field(c).type != arrow_type(c) for c in columns):
+    types = dict(zip(table.schema.names, table.schema.types, strict=True))
+    if any(types.get(name) != kind for name, kind in _types(tuple(columns))):
         return None
     table = table.select(list(columns))
     try:
@@ -166,13 +175,15 @@ def _part(table: pyarrow.Table | None, meta: dict[str, Any], columns: Sequence[s
     return table, meta["dropped_lines"], nulled, dict(meta["invalid_reasons"])
 
 
-def read(jsonl: Path, columns: Sequence[str], stream: str | None) -> Part | PartFile | None:
+def read(
+    jsonl: Path, columns: Sequence[str], stream: str | None, dir_fd: int | None = None
+) -> Part | PartFile | None:
     """`jsonl`'s part as the reader's `Part` (what `_read_one` would give for `columns`); a `PartFile`
     when it holds more than one record batch (read a batch at a time); None when there is no part the
     file may be read from."""
     import pyarrow as pa
 
-    opened = _open(jsonl, stream)
+    opened = _open(jsonl, stream, dir_fd)
     if opened is None:
         return None
     reader, meta = opened
@@ -249,6 +260,9 @@ def read_run(
     (the reader's entries, consecutive parts joined into one, and how many parts were read)."""
     import pyarrow as pa
 
+    from ciuic_doctor.rundir import safe_io
+    from ciuic_doctor.rundir.columnar.layout import ROOT_NAME
+
     entries: list[tuple[Part, bool]] = []
     held: list[Part] = []
 
@@ -266,13 +280,23 @@ def read_run(
             held.clear()
 
     used = 0
-    for path in paths:
-        part = read(path, columns, stream)
-        if isinstance(part, tuple):
-            held.append(part)
-            used += 1
-            continue
-        join()
-        entries.append(parse(path))
+    with contextlib.ExitStack() as stack:
+        folders: dict[Path, int | None] = {}
+        for path in paths:
+            if path.parent not in folders:
+                try:
+                    folders[path.parent] = stack.enter_context(
+                        safe_io.folder(path.parent, (ROOT_NAME, FILES))
+                    )
+                except OSError:  # no columnar/_files, or a symlink there: no part is read through it
+                    folders[path.parent] = None
+            dir_fd = folders[path.parent]
+            part = read(path, columns, stream, dir_fd) if dir_fd is not None else None
+            if isinstance(part, tuple):
+                held.append(part)
+                used += 1
+                continue
+            join()
+            entries.append(parse(path))
     join()
     return entries, used

@@ -177,11 +177,12 @@ def exit_parts(run: Path, *, reused: bool) -> str:
     from concurrent.futures import ProcessPoolExecutor
 
     from ciuic_doctor.rundir.frames import file_parts
+    from ciuic_doctor.rundir.schemas import stream_of
 
     files = [*run.glob("memwatch.jsonl"), *run.glob("memwatch.rank*.jsonl"), *run.glob("steps.rank*.jsonl")]
     if reused:
         fresh = file_parts.available(files)
-        files = [f for f in files if not (str(f) in fresh and file_parts.probe(f, None) is not None)]
+        files = [f for f in files if not (str(f) in fresh and file_parts.probe(f, stream_of(f.name)))]
     if not files:
         return "exit parts: every file's part kept from before"
     t0 = time.perf_counter()

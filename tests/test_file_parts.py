@@ -130,8 +130,11 @@ def test_the_world_size_counts_toward_the_threshold(watched, tmp_path, monkeypat
     monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", str(size * 3 // 2))
     assert part_writer.write_at_exit(steps, "steps", copies=1) is None
     assert part_writer.write_at_exit(steps, "steps", copies=2) == file_parts.part_path(steps)
-    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", "-1")  # copies turned off: no part either
     file_parts.part_path(steps).unlink()
+    monkeypatch.setattr(part_writer, "EXIT_MAX_BYTES", size - 1)  # too big to parse while the job ends
+    assert part_writer.write_at_exit(steps, "steps", copies=2) is None
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", "-1")  # copies turned off: no part either
+    monkeypatch.setattr(part_writer, "EXIT_MAX_BYTES", size)
     assert part_writer.write_at_exit(steps, "steps", copies=10**6) is None
 
 

@@ -21,6 +21,10 @@ from pathlib import Path
 from ciuic_doctor.rundir.frames.file_parts import FILES, FORMAT, KEY, _source, part_path
 
 MAX_SOURCE_BYTES = 8 << 30  # a JSONL file past this is left to the report (its part: ~2 GB in memory)
+# at a probe's exit, a file past this is left to the report too: parsing it would hold the job's end for
+# over ~2.5 s (pyarrow parses these records at ~110 MB/s a core). A rank's 1,000 steps are 0.5 MB, a
+# node's memwatch samples ~330 MB a day of 8 ranks and an agent.
+EXIT_MAX_BYTES = 256 << 20
 
 
 def write(jsonl: Path, stream: str | None = None) -> Path | None:
@@ -64,12 +68,14 @@ def write(jsonl: Path, stream: str | None = None) -> Path | None:
 
 def write_at_exit(jsonl: Path, stream: str, *, copies: int) -> Path | None:
     """`write`, for a probe ending: only when `copies` files of this one's size reach the bytes from which
-    a stream gets a columnar copy (a world of ranks, or of nodes), and never raising: a part is a speed-up
-    for the report, and the job's end must not depend on it."""
+    a stream gets a columnar copy (a world of ranks, or of nodes) and the file is at most EXIT_MAX_BYTES,
+    and never raising: a part is a speed-up for the report, and the job's end must not depend on it."""
     from ciuic_doctor.rundir.frames.copies import copy_min_bytes
 
     with contextlib.suppress(Exception):
         threshold, source = copy_min_bytes(), _source(jsonl)
-        if threshold >= 0 and source is not None and source[1] * max(copies, 1) >= threshold:
+        if threshold < 0 or source is None or source[1] > EXIT_MAX_BYTES:
+            return None
+        if source[1] * max(copies, 1) >= threshold:
             return write(jsonl, stream)
     return None

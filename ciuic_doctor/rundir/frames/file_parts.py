@@ -2,9 +2,9 @@
 at a rank's exit, memwatch when it stops), so that even the first report of a run parses no JSON.
 
 At 10,000 ranks x 1,000 steps the first report parsed 9.7 GB of JSON: ~88 s of CPU at pyarrow's
-~110 MB/s a core, 44 s of wall on 2 cores before any analysis could start. Parsed by each rank at its
-exit, on its own machine, the same work is ~5 ms a rank (528 KB), and reading the part back is ~0.3 ms
-(Arrow IPC, not compressed: 205 KB for 1,000 steps).
+~110 MB/s a core, 44 s of wall on 2 cores before any analysis could start. Done by each rank at its exit,
+on its own machine, the parse, its checks and the write are 12-17 ms of CPU a rank (528 KB), and reading
+the part back, checks included, ~0.6 ms (Arrow IPC, not compressed: 205 KB for 1,000 steps).
 
     RUN/columnar/_files/<file name>.arrow     one Arrow IPC file per JSONL file (pyarrow.dataset and
                                               DuckDB's globs over columnar/<stream>/ never see it)

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,7 @@ def part_path(jsonl: Path) -> Path:
     return Path(jsonl).parent / ROOT_NAME / FILES / f"{Path(jsonl).name}{SUFFIX}"
 
 
-def _source(jsonl: Path) -> list[Any] | None:
+def source_of(jsonl: Path) -> list[Any] | None:
     """[name, size, mtime_ns] of a regular file (what the part was made from), None otherwise."""
     import stat
 
@@ -125,7 +126,7 @@ def _open(jsonl: Path, stream: str | None, dir_fd: int | None = None) -> tuple[A
     except (OSError, ValueError, pa.ArrowException):
         fh.close()
         return None
-    if not _meta_ok(meta, stream) or meta["source"] != _source(jsonl):
+    if not _meta_ok(meta, stream) or meta["source"] != source_of(jsonl):
         fh.close()
         return None
     return reader, meta
@@ -175,20 +176,16 @@ def _part(table: pyarrow.Table | None, meta: dict[str, Any], columns: Sequence[s
     return table, meta["dropped_lines"], nulled, dict(meta["invalid_reasons"])
 
 
-def read(
-    jsonl: Path, columns: Sequence[str], stream: str | None, dir_fd: int | None = None
-) -> Part | PartFile | None:
-    """`jsonl`'s part as the reader's `Part` (what `_read_one` would give for `columns`); a `PartFile`
-    when it holds more than one record batch (read a batch at a time); None when there is no part the
-    file may be read from."""
+def read(jsonl: Path, columns: Sequence[str], stream: str | None, dir_fd: int | None = None) -> Part | None:
+    """A small file's part as the reader's `Part` (what `_read_one` would give for `columns`); None when
+    there is no part the file may be read from (a small file's part is one record batch; a big file's is
+    read a batch at a time: `probe`, `read_batch`)."""
     import pyarrow as pa
 
     opened = _open(jsonl, stream, dir_fd)
-    if opened is None:
+    if opened is None or opened[0].num_record_batches != 1:
         return None
     reader, meta = opened
-    if reader.num_record_batches > 1:
-        return PartFile(path=Path(jsonl), batches=reader.num_record_batches, meta=meta)
     try:
         table = reader.read_all()
     except (OSError, pa.ArrowException):
@@ -230,7 +227,8 @@ def add_batches(
         if batch is None:
             failed = True
         elif not failed:
-            rows += batch.num_rows  # the JSONL bytes the batch stands for: the rows to reserve come from them
+            rows += batch.num_rows
+            # the JSONL bytes the batch stands for: the rows the table reserves are estimated from them
             table.add(batch, nbytes=part.meta["source"][1] * batch.num_rows // max(part.meta["rows"], 1))
         batch = None
     if failed or rows != part.meta["rows"]:
@@ -266,17 +264,12 @@ def read_run(
     entries: list[tuple[Part, bool]] = []
     held: list[Part] = []
 
-    def join() -> None:
+    def join() -> None:  # one table for the held parts (one copy into the reader's table), counts summed
         if held:
             table = pa.concat_tables([p[0] for p in held]).combine_chunks()
-            nulled: dict[str, int] = {}
-            invalid: dict[str, int] = {}
-            for _, _, more, refused in held:
-                for name, count in more.items():
-                    nulled[name] = nulled.get(name, 0) + count
-                for reason, count in refused.items():
-                    invalid[reason] = invalid.get(reason, 0) + count
-            entries.append(((table, sum(p[1] for p in held), nulled, invalid), False))
+            nulled = sum((Counter(p[2]) for p in held), Counter())
+            invalid = sum((Counter(p[3]) for p in held), Counter())
+            entries.append(((table, sum(p[1] for p in held), dict(nulled), dict(invalid)), False))
             held.clear()
 
     used = 0
@@ -292,7 +285,7 @@ def read_run(
                     folders[path.parent] = None
             dir_fd = folders[path.parent]
             part = read(path, columns, stream, dir_fd) if dir_fd is not None else None
-            if isinstance(part, tuple):
+            if part is not None:
                 held.append(part)
                 used += 1
                 continue

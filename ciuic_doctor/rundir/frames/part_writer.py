@@ -18,7 +18,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from ciuic_doctor.rundir.frames.file_parts import FILES, FORMAT, KEY, _source, part_path
+from ciuic_doctor.rundir.frames.file_parts import FILES, FORMAT, KEY, part_path, source_of
 
 MAX_SOURCE_BYTES = 8 << 30  # a JSONL file past this is left to the report (its part: ~2 GB in memory)
 # at a probe's exit, a file past this is left to the report too: parsing it would hold the job's end for
@@ -40,13 +40,13 @@ def write(jsonl: Path, stream: str | None = None) -> Path | None:
 
     jsonl = Path(jsonl)
     stream = stream or stream_of(jsonl.name)
-    before = _source(jsonl)
+    before = source_of(jsonl)
     if stream not in STREAM_COLUMNS or before is None or before[1] > MAX_SOURCE_BYTES:
         return None
     # the JSONL itself, not a part written before: and no listing of columnar/_files, which holds
     # every other file's part (100,000 ranks: one listing a write made writing them all quadratic)
     read = read_table([jsonl], STREAM_COLUMNS[stream], stream, use_parts=False)
-    if _source(jsonl) != before:
+    if source_of(jsonl) != before:
         return None
     meta = {
         "format": FORMAT,
@@ -73,7 +73,7 @@ def write_at_exit(jsonl: Path, stream: str, *, copies: int) -> Path | None:
     from ciuic_doctor.rundir.frames.copies import copy_min_bytes
 
     with contextlib.suppress(Exception):
-        threshold, source = copy_min_bytes(), _source(jsonl)
+        threshold, source = copy_min_bytes(), source_of(jsonl)
         if threshold < 0 or source is None or source[1] > EXIT_MAX_BYTES:
             return None
         if source[1] * max(copies, 1) >= threshold:

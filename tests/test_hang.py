@@ -25,8 +25,8 @@ from ciuic_doctor.rundir.store import RunDir
 
 JOB = Path(__file__).parent / "data" / "hang_job.py"
 PG_TIMEOUT_S = 4
-GRAD_LINE = "hang_job.py:60"  # dist.all_reduce(flat): the gradient all_reduce
-LOSS_LINE = "hang_job.py:62"  # dist.all_reduce(loss): the logged loss
+GRAD_LINE = "hang_job.py:64"  # dist.all_reduce(flat): the gradient all_reduce
+LOSS_LINE = "hang_job.py:66"  # dist.all_reduce(loss): the logged loss
 
 
 def _launch(argv: list[str], env: dict[str, str] | None = None, nproc: int = 2) -> subprocess.Popen:

@@ -34,6 +34,10 @@ def load_batch(step: int, rank: int) -> torch.Tensor:
     if culprit(step, rank, "loader"):
         time.sleep(3600)  # a storage read that never returns
     if culprit(step, rank, "kill"):
+        # Die once the peer is surely past step 3: SIGKILL resets this rank's sockets, and a reset drops the
+        # bytes the peer has not read yet, so a peer still finishing step 3's loss all_reduce would fail
+        # there (line 62) instead of waiting in step 4's gradient all_reduce (seen once under CI load).
+        time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
     return torch.randn(8, 16)
 

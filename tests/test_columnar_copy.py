@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -342,3 +343,34 @@ def test_parts_of_ranks_in_order_are_found_a_block_of_rows_at_a_time(monkeypatch
     assert [(block, rows.tolist()) for block, rows in parts] == [(0, [1]), (1, [0, 2])]
     unranked = pa.table({"rank": pa.array([None, 0], pa.int64())})
     assert [block for block, _ in write.cut(unranked)[0]] == [None, 0]
+
+
+def _cached_within(key: tuple[str, str], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while key not in frames._CACHE and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return key in frames._CACHE
+
+
+def test_a_fresh_copy_is_read_beside_the_callers_read_and_nothing_else_is(run_2100, tmp_path):
+    from ciuic_doctor.rundir.frames.beside import read_beside
+
+    run = _copy_of(run_2100, tmp_path)
+    key = (str(run.resolve()), "steps")
+    with frames.one_snapshot(), read_beside(RunDir.open(run), "steps"):
+        assert not _cached_within(key, 1.0)  # no copy yet: the caller parses it (and writes the copy)
+    frames.read_stream(RunDir.open(run), "steps", STEPS)
+    frames.clear_cache()
+
+    with frames.one_snapshot(), read_beside(RunDir.open(run), "steps"):
+        assert _cached_within(key, 60.0)  # read by the other thread while this one waits
+    read = frames._CACHE[key][1]
+    assert read.copy_id is not None
+    expected = _json_read(run, "steps", STEPS).table
+    assert read.select(STEPS, encoded=True).table.cast(expected.schema).equals(expected)
+
+    with open(run / "steps.rank7.jsonl", "a") as fh:  # the copy is stale now: left to the caller
+        fh.write((run / "steps.rank7.jsonl").read_text().splitlines()[-1] + "\n")
+    frames.clear_cache()
+    with frames.one_snapshot(), read_beside(RunDir.open(run), "steps"):
+        assert not _cached_within(key, 1.0)

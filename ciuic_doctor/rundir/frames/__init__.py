@@ -53,6 +53,7 @@ from ciuic_doctor.rundir.frames.cache import (  # noqa: F401 - the cache's API, 
     checked,
     clear_cache,
     forget,
+    keep,
     one_snapshot,
     pinned,
 )
@@ -418,10 +419,7 @@ def read_stream(
         _CACHE.pop(key, None)
         wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]
         read = _read_through_copy(run, stream, files, wanted, sources=sources)
-        while len(_CACHE) >= CACHED_STREAMS:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (stamp, read)
-        checked(key)
+        keep(key, stamp, read)
     _note_problems(run, stream, read)
     return read.select(columns, encoded=encoded)
 

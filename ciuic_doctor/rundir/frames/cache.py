@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,17 @@ if TYPE_CHECKING:
 
 CACHED_STREAMS = 2  # steps and memwatch, the two streams that grow with ranks × time
 _CACHE: dict[tuple[str, str], tuple[tuple, TableRead]] = {}
+_CACHE_LOCK = threading.Lock()  # two streams may be read at once (`frames.beside`)
+
+
+def keep(key: tuple[str, str], stamp: tuple, read: TableRead) -> None:
+    """Cache `read` as `key`'s table (the oldest let go past CACHED_STREAMS); checked in this snapshot."""
+    with _CACHE_LOCK:
+        _CACHE.pop(key, None)
+        while len(_CACHE) >= CACHED_STREAMS:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (stamp, read)
+    checked(key)
 
 
 def _stamp(files: list[Path]) -> tuple[tuple, list[list[Any]]]:

@@ -115,7 +115,10 @@ def _write_part(folder: Path, name: str, table: pyarrow.Table, rows: Any) -> Non
     path = folder / name
     os.mkdir(path.parent, 0o755)
     with os.fdopen(os.open(path, _CREATE, 0o644), "wb") as fh:
-        pq.write_table(part, fh, compression="zstd", compression_level=1)
+        # LZ4 (Parquet's LZ4_RAW, which DuckDB and Spark read), not zstd: the copy is read by every later
+        # report. 10,000 ranks x 1,000 steps, 2.7 GB decoded: read 1.4 vs 2.1 s CPU, written 6.4 vs 7.8 s,
+        # 492 vs 350 MiB on disk (zstd level 1)
+        pq.write_table(part, fh, compression="lz4")
     # read back a column at a time: a whole part of 1,024 ranks' steps is ~200 MB decoded, and two parts
     # are written at once, while both streams' tables are held (the first report's peak)
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:

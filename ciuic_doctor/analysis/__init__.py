@@ -74,26 +74,43 @@ def _run_each(
     before_letting_go: Mapping[str, Callable[[], object]] | None,
 ) -> tuple[list[Finding], list[str]]:
     """The applicable analyses in turn: (their findings, their names)."""
+    from ciuic_doctor.analysis import side_by_side
     from ciuic_doctor.rundir import frames
 
     findings: list[Finding] = []
     ran: list[str] = []
     run.read_meta()  # fills run.meta_problems before the analyses read it
     applicable = [m for m in analysis_modules() if any(run.has_stream(stream) for stream in m.STREAMS)]
-    for number, module in enumerate(applicable, 1):
-        name = module.__name__.rsplit(".", 1)[-1]
-        if progress is not None:
-            progress(f"analysing {name} ({number}/{len(applicable)})")
+    rest = side_by_side.first_of_the_rest(applicable)
+
+    def one(module: ModuleType) -> list[Finding]:
         try:
-            findings.extend(module.analyze(run))
+            return list(module.analyze(run))
         except Exception as exc:  # a record the schemas let through: one analysis lost, not the run
-            findings.append(_crashed(name, exc))
-        ran.append(name)
-        still_read = {stream for later in applicable[number:] for stream in later.STREAMS}
-        for stream in sorted(set(module.STREAMS) - still_read - set(keep)):
+            return [_crashed(module.__name__.rsplit(".", 1)[-1], exc)]
+
+    def let_go(finished: list[ModuleType], done: int) -> None:
+        """The streams of `finished` that no analysis after the first `done` reads (nor the caller)."""
+        still_read = {stream for later in applicable[done:] for stream in later.STREAMS}
+        for stream in sorted({s for m in finished for s in m.STREAMS} - still_read - set(keep)):
             if before_letting_go and stream in before_letting_go:
                 before_letting_go[stream]()
             frames.forget(run, stream)
+
+    for number, module in enumerate(applicable, 1):
+        if number - 1 == rest:  # the rest side by side, when worth it
+            together = side_by_side.analyze(run, applicable, rest, one, progress)
+            if together is not None:
+                findings.extend(f for part in together for f in part)
+                ran.extend(side_by_side.names(applicable[rest:]))
+                let_go(applicable[rest:], len(applicable))
+                break
+        name = module.__name__.rsplit(".", 1)[-1]
+        if progress is not None:
+            progress(f"analysing {name} ({number}/{len(applicable)})")
+        findings.extend(one(module))
+        ran.append(name)
+        let_go([module], number)
     return findings, ran
 
 

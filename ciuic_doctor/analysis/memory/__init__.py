@@ -44,6 +44,7 @@ from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import RunDir
 
 STREAMS = ("memwatch", "steps")
+OWN_WORKERS = True  # its per-block passes fork their own workers: the analyses after it may run side by side
 
 
 def analyze(run: RunDir) -> list[Finding]:

@@ -92,6 +92,13 @@ def pinned(key: tuple[str, str], columns: Sequence[str]) -> TableRead | None:
     return held[1] if held is not None and set(columns) <= set(held[1].table.column_names) else None
 
 
+def held_rows(run: RunDir, stream: str) -> int:
+    """Rows of `run`'s cached table of `stream` (0 when none is held): how big a job is, without a look
+    at its files."""
+    held = _CACHE.get((str(run.path.resolve()), stream))
+    return held[1].table.num_rows if held is not None else 0
+
+
 def checked(key: tuple[str, str]) -> None:
     """`key`'s cached table matches its files as they are now: inside a snapshot, it is taken as it is."""
     if _SNAPSHOT.depth:

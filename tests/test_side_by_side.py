@@ -1,0 +1,100 @@
+"""The analyses after the memory checks, side by side in forked workers (ciuic_doctor/analysis/side_by_side):
+findings.json identical to one after the other, the analyses really in other processes, what they leave
+on the RunDir brought back, and a worker killed mid-analysis costs nothing but time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ciuic_doctor import parallel
+from ciuic_doctor.analysis import run_all, side_by_side
+from ciuic_doctor.analysis import steps as steps_analysis
+from ciuic_doctor.analysis import throughput as throughput_analysis
+from ciuic_doctor.rundir import frames
+from ciuic_doctor.rundir.store import RunDir
+from tests.scalesynth import generate, gpu_plan
+
+
+@pytest.fixture(scope="module")
+def run_path(tmp_path_factory) -> Path:
+    return generate(tmp_path_factory.mktemp("sbs") / "run", gpu_plan(64, 80))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    frames.clear_cache()
+    yield
+    frames.clear_cache()
+
+
+def _analysed(run_path: Path, *, min_rows: int, monkeypatch) -> tuple[list[dict], list[str], RunDir]:
+    """findings.json's findings after run_all on two workers, side by side from `min_rows` held step rows."""
+    monkeypatch.setattr(side_by_side, "SIDE_BY_SIDE_MIN_ROWS", min_rows)
+    said: list[str] = []
+    run = RunDir.open(run_path)
+    with parallel.using(jobs=2):
+        run_all(run, said.append)
+    return json.loads((run_path / "findings.json").read_text())["findings"], said, run
+
+
+def test_side_by_side_gives_the_findings_of_one_after_the_other_from_other_processes(
+    run_path, tmp_path, monkeypatch
+):
+    serial, said_serial, _ = _analysed(run_path, min_rows=10**12, monkeypatch=monkeypatch)
+    assert not any("side by side" in line for line in said_serial)
+
+    pids = tmp_path / "pids"
+    original = steps_analysis.analyze
+
+    def noting_pid(run):
+        with open(pids, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        return original(run)
+
+    monkeypatch.setattr(steps_analysis, "analyze", noting_pid)
+    together, said, _ = _analysed(run_path, min_rows=0, monkeypatch=monkeypatch)
+    assert together == serial
+    assert [line for line in said if "side by side" in line] == [
+        "analysing moe, stability, steps, throughput side by side (5-8/8)"
+    ], said
+    assert [int(p) for p in pids.read_text().split()] != [os.getpid()]  # steps ran in a forked worker
+
+
+def test_what_an_analysis_leaves_on_the_rundir_in_a_worker_comes_back(run_path, monkeypatch):
+    original = throughput_analysis.analyze
+    parent = os.getpid()
+
+    def leaving_problems(run):
+        assert os.getpid() != parent
+        run.read_problems["throughput_probe"] = "2 lines dropped"
+        run.notes.append("a copy could not be written")
+        return original(run)
+
+    monkeypatch.setattr(throughput_analysis, "analyze", leaving_problems)
+    findings, _, run = _analysed(run_path, min_rows=0, monkeypatch=monkeypatch)
+    assert run.read_problems["throughput_probe"] == "2 lines dropped"
+    assert "a copy could not be written" in run.notes
+    readable = [f for f in findings if f["check"] == "records_readable"]
+    assert len(readable) == 1
+    assert "throughput_probe: 2 lines dropped" in readable[0]["summary"]
+
+
+def test_a_worker_killed_mid_analysis_leaves_them_to_this_process(run_path, monkeypatch):
+    serial, _, _ = _analysed(run_path, min_rows=10**12, monkeypatch=monkeypatch)
+    original = steps_analysis.analyze
+    parent = os.getpid()
+
+    def killed_in_a_worker(run):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer's way
+        return original(run)
+
+    monkeypatch.setattr(steps_analysis, "analyze", killed_in_a_worker)
+    findings, said, _ = _analysed(run_path, min_rows=0, monkeypatch=monkeypatch)
+    assert findings == serial
+    assert "analysing steps (7/8)" in said  # run again here, one after the other

@@ -98,3 +98,55 @@ def test_a_worker_killed_mid_analysis_leaves_them_to_this_process(run_path, monk
     findings, said, _ = _analysed(run_path, min_rows=0, monkeypatch=monkeypatch)
     assert findings == serial
     assert "analysing steps (7/8)" in said  # run again here, one after the other
+
+
+def _job_section(run_path: Path, min_rows: int, monkeypatch) -> str:
+    """The job section of the page (plots, tables, notes, files), made beside the rest from `min_rows`."""
+    from ciuic_doctor.analysis import load_findings
+    from ciuic_doctor.report import sections
+
+    monkeypatch.setattr(sections, "JOB_BESIDE_MIN_ROWS", min_rows)
+    run = RunDir.open(run_path)
+    with parallel.using(jobs=2):
+        if not (run_path / "findings.json").exists():
+            run_all(run)
+        streams = sections.load_streams(run)
+        made = sections.build_sections(streams, load_findings(run), run.read_meta())
+    job = next(s for s in made if s.id == "job")
+    # as text: a table's NaN cells are equal as written, not as floats (a pickled NaN is another object)
+    return json.dumps([job.plots, [t.__dict__ for t in job.tables], job.notes, job.files], default=str)
+
+
+def test_the_job_section_made_beside_the_rest_of_the_page_is_the_same(run_path, tmp_path, monkeypatch):
+    from ciuic_doctor.report import sections, steps_section
+
+    alone = _job_section(run_path, 10**12, monkeypatch)
+    assert "<svg" in alone
+    assert "steps_per_rank.csv" in alone
+    pids = tmp_path / "pids"
+    original = steps_section.job_content
+
+    def noting_pid(*args, **kwargs):
+        with open(pids, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sections, "job_content", noting_pid)
+    assert _job_section(run_path, 0, monkeypatch) == alone
+    assert [int(p) for p in pids.read_text().split()] != [os.getpid()]  # made in a forked worker
+
+
+def test_a_job_section_worker_killed_leaves_it_to_this_process(run_path, monkeypatch):
+    from ciuic_doctor.report import sections, steps_section
+
+    alone = _job_section(run_path, 10**12, monkeypatch)
+    original = steps_section.job_content
+    parent = os.getpid()
+
+    def killed_in_a_worker(*args, **kwargs):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sections, "job_content", killed_in_a_worker)
+    assert _job_section(run_path, 0, monkeypatch) == alone

@@ -61,6 +61,32 @@ def map_forked(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
         _STATE.job = None
 
 
+def beside(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """fn() in one worker forked now, while this process goes on; the callable returned waits for its
+    result (pickled back). A worker that died (killed) leaves fn() to that callable, here."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    _STATE.job = (lambda _: fn(), [None])
+    gc.freeze()  # as in map_forked
+    try:
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("fork"))
+        future = pool.submit(_run, 0)  # the fork happens here, while the job is set
+    finally:
+        gc.unfreeze()
+        _STATE.job = None
+
+    def result() -> Any:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            return fn()
+        finally:
+            pool.shutdown(wait=True)
+
+    return result
+
+
 # owner -> (its pool, workers): the workers forked while it lived, kept for its later jobs
 _POOLS: weakref.WeakKeyDictionary[Any, tuple[Any, int]] = weakref.WeakKeyDictionary()
 

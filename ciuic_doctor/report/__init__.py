@@ -168,7 +168,7 @@ def _build_report(
         resolved = replace(resolved, kind="imported", note=imported.spec_note(meta))
     title = imported.log_title(meta)
     shown = replace(spec, job=replace(spec.job, name=title)) if title else spec  # the report's title
-    parts = sections.build_sections(streams, findings, meta)
+    parts, finish_parts = sections.start_sections(streams, findings, meta)  # the job's plots: beside
     if baseline is not None:
         from ciuic_doctor.report.compare_section import write_comparison
 
@@ -177,7 +177,6 @@ def _build_report(
         from ciuic_doctor.report.verify_section import verify_section
 
         parts.append(verify_section(verification))
-    beside = {name: run.write_text(name, text) for s in parts for name, text in s.files.items()}  # CSVs
     not_run = [{"section": s.id, "command": s.command, "reason": s.reason} for s in parts if not s.ran]
     # A probe that ended badly but left records: its section shows them, and the verdicts say so.
     findings = [
@@ -223,6 +222,8 @@ def _build_report(
         first_screen.anchors_of(parts),
         imported=imported.import_summary(meta) is not None,
     )
+    finish_parts()
+    beside = {name: run.write_text(name, text) for s in parts for name, text in s.files.items()}  # CSVs
     page = html.render(
         spec=shown,
         findings=findings,

@@ -287,3 +287,39 @@ def test_usable_cores_follow_a_cgroup_quota(tmp_path):
     (tmp_path / "cpu.cfs_quota_us").write_text("300000\n")
     assert _v1_quota(tmp_path) == 3.0
     assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+
+
+# evaluated on the workers (a builtin and a string travel; this test module is not importable there)
+ALLOCATOR_SET = "bool(__import__('ciuic_doctor.parallel.on_dask', fromlist=['_'])._ALLOCATOR)"
+PANDAS_LOADED = "'pandas' in __import__('sys').modules"
+
+
+def _on_workers(client, expression: str) -> list:
+    return list(client.run(eval, expression).values())
+
+
+def test_workers_are_warmed_up_as_the_report_connects(tmp_path):
+    """A fresh worker has run nothing; once a report's session connects it is warmed up (allocator set,
+    numpy and pandas imported) before any block is sent."""
+    from distributed import Client
+
+    from ciuic_doctor.parallel.on_dask import DaskSession
+
+    log = (tmp_path / "dask.log").open("w")
+    address, scheduler = _scheduler(log)
+    worker = subprocess.Popen(_worker_argv(address), stdout=log, stderr=log)
+    try:
+        _wait_for_workers(address, 1)
+        with Client(address, timeout=30, set_as_default=False) as client:
+            assert _on_workers(client, ALLOCATOR_SET) == [False]
+            session = DaskSession(address)
+            try:
+                deadline = time.monotonic() + 60
+                while _on_workers(client, ALLOCATOR_SET) != [True] and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert _on_workers(client, ALLOCATOR_SET) == [True]
+                assert _on_workers(client, PANDAS_LOADED) == [True]
+            finally:
+                session.close()
+    finally:
+        _stop([scheduler, worker])

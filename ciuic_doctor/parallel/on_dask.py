@@ -12,6 +12,7 @@ needs neither Dask nor its dependencies.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,16 @@ class DaskSession:
         self.address = address
         # owner -> {item: the future of its payload on the cluster}; an owner gone frees its payloads
         self._scattered: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+        with contextlib.suppress(Exception):  # a worker that cannot warm up just starts cold
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A `warm_up` task on every worker, not waited for: it runs while the report reads its streams."""
+        from distributed import fire_and_forget
+
+        for worker in self.client.scheduler_info().get("workers", {}):
+            task = self.client.submit(warm_up, workers=[worker], allow_other_workers=False, pure=False)
+            fire_and_forget(task)
 
     def workers(self) -> int:
         return len(self.client.scheduler_info().get("workers", {}))
@@ -104,6 +115,16 @@ def on_worker(apply: Any, payload: Any) -> Any:
     if not _ALLOCATOR:
         _ALLOCATOR.append(_keep_temporaries())
     return apply(payload)
+
+
+def warm_up() -> None:
+    """Run on every worker as the report connects, while it reads its streams: the allocator set and
+    numpy and pandas imported before the first block comes. A cold worker's first pass took ~2 s longer
+    (10,000 ranks: the checks' first round on a fresh cluster 13.1 s, the next ones 10.4–11.0 s)."""
+    if not _ALLOCATOR:
+        _ALLOCATOR.append(_keep_temporaries())
+    import numpy  # noqa: F401
+    import pandas  # noqa: F401
 
 
 def _keep_temporaries() -> bool:

@@ -107,8 +107,9 @@ def add_parallel(parser: argparse.ArgumentParser) -> None:
         "--jobs",
         type=positive_int,
         metavar="N",
-        help="worker processes for the per-block checks (default: every usable core; 1: one core). "
-        "The findings are the same to the bit",
+        help="worker processes for the per-block checks and, on a big job, the analyses after them and "
+        "the page's job section (default: every usable core; 1: one core). The findings are the same to "
+        "the bit",
     )
     group.add_argument(
         "--scheduler",

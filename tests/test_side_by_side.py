@@ -1,4 +1,4 @@
-"""The analyses after the memory checks, side by side in forked workers (ciuic_doctor/analysis/side_by_side):
+"""The analyses after the memory checks, side by side in forked workers (ciuic_doctor/analysis: run_all):
 findings.json identical to one after the other, the analyses really in other processes, what they leave
 on the RunDir brought back, and a worker killed mid-analysis costs nothing but time."""
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import ciuic_doctor.analysis as analysis_front
 from ciuic_doctor import parallel
-from ciuic_doctor.analysis import run_all, side_by_side
+from ciuic_doctor.analysis import run_all
 from ciuic_doctor.analysis import steps as steps_analysis
 from ciuic_doctor.analysis import throughput as throughput_analysis
 from ciuic_doctor.rundir import frames
@@ -34,7 +35,7 @@ def _fresh_cache():
 
 def _analysed(run_path: Path, *, min_rows: int, monkeypatch) -> tuple[list[dict], list[str], RunDir]:
     """findings.json's findings after run_all on two workers, side by side from `min_rows` held step rows."""
-    monkeypatch.setattr(side_by_side, "SIDE_BY_SIDE_MIN_ROWS", min_rows)
+    monkeypatch.setattr(analysis_front, "SIDE_BY_SIDE_MIN_ROWS", min_rows)
     said: list[str] = []
     run = RunDir.open(run_path)
     with parallel.using(jobs=2):

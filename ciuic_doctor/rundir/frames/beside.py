@@ -59,11 +59,10 @@ def read_beside(run: RunDir, stream: str) -> Iterator[None]:
 
 def _fresh_copy(run: RunDir, stream: str) -> bool:
     """Whether `stream` has a columnar copy made from its files as they are now (what `read_stream` will
-    read): a manifest, then one listing and an lstat a file (~50 ms at 10,000 files, on this thread)."""
-    from ciuic_doctor.rundir import columnar
+    read): one listing and an lstat a file (~50 ms at 10,000 files, on this thread), then the manifest."""
     from ciuic_doctor.rundir.frames.cache import _stamp
-    from ciuic_doctor.rundir.frames.copies import copy_min_bytes
+    from ciuic_doctor.rundir.frames.copies import copy_min_bytes, fresh_manifest
 
-    if copy_min_bytes() < 0 or (manifest := columnar.read_manifest(run.path, stream)) is None:
+    if copy_min_bytes() < 0:
         return False
-    return manifest.sources == _stamp(run.stream_files(stream))[1]
+    return fresh_manifest(run, stream, _stamp(run.stream_files(stream))[1]) is not None

@@ -43,13 +43,22 @@ def plan(
     return CopyPlan(stream=stream, files=files, sources=sources, threshold=threshold)
 
 
+def fresh_manifest(run: RunDir, stream: str, sources: list[list[Any]]) -> Any | None:
+    """The manifest of `stream`'s copy when it was made from these files as they are (`sources`:
+    [name, size, mtime_ns] of each); None otherwise."""
+    from ciuic_doctor.rundir import columnar
+
+    manifest = columnar.read_manifest(run.path, stream)
+    return manifest if manifest is not None and manifest.sources == sources else None
+
+
 def load(run: RunDir, plan: CopyPlan, columns: list[str]) -> TableRead | None:
     """The stream from its copy when the copy was made from these files as they are; None otherwise (a
     copy that does not match its manifest is never half-used: the caller reads the JSONL)."""
     from ciuic_doctor.rundir import columnar
 
-    manifest = columnar.read_manifest(run.path, plan.stream)
-    if manifest is None or manifest.sources != plan.sources:
+    manifest = fresh_manifest(run, plan.stream, plan.sources)
+    if manifest is None:
         return None
     try:
         table = columnar.load(run.path, manifest, columns)

@@ -90,6 +90,34 @@ def test_grouped_trends_equal_robust_trend_series_by_series():
             assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-9, abs=1e-9), (i, key)
 
 
+@pytest.mark.parametrize("kind", ["rising", "falling", "flat steps", "tiny", "subnormal"])
+def test_mann_kendall_counted_about_the_median_equals_every_pair(kind):
+    """The batch fit counts the rises and falls of the slopes once they are partitioned about their median
+    (half the comparisons), or of every pair where a division could lose a sign; z must equal
+    robust_trend's, which counts every pair, to the last bit."""
+    rng = np.random.default_rng(11)
+    n, count = 400, 60
+    x = np.arange(n, dtype=float)
+    series = []
+    for i in range(count):
+        if kind == "flat steps":  # mostly equal values: the median slope is 0, most pairs tie
+            y = 1e9 + 4096 * rng.integers(0, 3, n) * (rng.random(n) < 0.05)
+        elif kind == "subnormal":  # a few of the smallest doubles apart: dy / dx underflows to 0
+            y = (rng.integers(0, 3, n) + (i % 5) * (x // 80)) * 5e-324
+        else:
+            scale = 1e-200 if kind == "tiny" else 1.0
+            trend = {"rising": 3e5, "falling": -3e5}.get(kind, (-1) ** i * 1e3)
+            y = (1e9 + trend * x + rng.normal(0, 2e6 if i % 2 else 2e8, n)) * scale
+        series.append(y)
+    ids = np.repeat(np.arange(count), n)
+    trends = fit(RankSeries.of(ids, np.tile(x, count), np.concatenate(series), count))
+    zs = [robust_trend(x, y).z for y in series]
+    assert trends.z.tolist() == zs
+    # every case the counting takes: the median slope above, below and at 0
+    want = {"rising": trends.slope > 0, "falling": trends.slope < 0, "flat steps": trends.slope == 0}
+    assert want.get(kind, np.ones(count, bool)).all()
+
+
 def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
     """The trend fits and the per-rank interpolation work a block at a time (to bound their temporaries);
     the block size must change nothing, to the last bit."""
@@ -114,6 +142,7 @@ def test_blocks_of_rows_or_queries_change_no_figure(monkeypatch):
 
     whole = figures()
     monkeypatch.setattr(_trends, "PAIRS_PER_BLOCK", 50)
+    monkeypatch.setattr(_trends, "TRANSPOSE_BLOCK", 7)
     monkeypatch.setattr(_memory_columns, "QUERY_BLOCK", 7)
     blocked = figures()
     for a, b in zip(whole[0], blocked[0], strict=True):

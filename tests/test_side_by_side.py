@@ -66,6 +66,30 @@ def test_side_by_side_gives_the_findings_of_one_after_the_other_from_other_proce
     assert [int(p) for p in pids.read_text().split()] != [os.getpid()]  # steps ran in a forked worker
 
 
+def test_the_longest_analyses_start_first(run_path, tmp_path, monkeypatch):
+    """Two workers take the two analyses with the most time per step record first (steps, throughput),
+    so that a short one is what is left at the end; the findings still come back in module order."""
+    from ciuic_doctor.analysis import moe, stability
+
+    started = tmp_path / "started"
+    modules = {"moe": moe, "stability": stability, "steps": steps_analysis, "throughput": throughput_analysis}
+    for name, module in modules.items():
+
+        def noting_start(run, name=name, original=module.analyze):
+            with open(started, "a") as fh:
+                fh.write(f"{name}\n")
+            return original(run)
+
+        monkeypatch.setattr(module, "analyze", noting_start)
+    serial, _, _ = _analysed(run_path, min_rows=10**12, monkeypatch=monkeypatch)
+    started.unlink()
+    together, _, _ = _analysed(run_path, min_rows=0, monkeypatch=monkeypatch)
+    assert together == serial
+    order = started.read_text().split()
+    assert sorted(order) == sorted(modules)
+    assert set(order[:2]) == {"steps", "throughput"}, order
+
+
 def test_what_an_analysis_leaves_on_the_rundir_in_a_worker_comes_back(run_path, monkeypatch):
     original = throughput_analysis.analyze
     parent = os.getpid()

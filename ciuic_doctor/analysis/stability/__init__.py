@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ciuic_doctor.importers import StepLog
 
 STREAMS = ("steps",)
+SECONDS_PER_MILLION_STEP_ROWS = 0.08  # 0.76 s at 10,000 ranks × 1,000 steps (side by side: longest first)
 PROBE = "stability"
 
 

@@ -31,6 +31,7 @@ from ciuic_doctor.rundir.findings import Finding, some_ranks
 from ciuic_doctor.rundir.store import RunDir, as_float
 
 STREAMS = ("steps",)
+SECONDS_PER_MILLION_STEP_ROWS = 0.10  # 0.99 s at 10,000 ranks × 1,000 steps (side by side: longest first)
 PROBE = "throughput"
 WARMUP_STEPS = 2
 MFU_MAX = 1.0  # the peak is the dense matmul ceiling: a figure above it means an input is wrong

@@ -143,22 +143,29 @@ def _job_section(run_path: Path, min_rows: int, monkeypatch) -> str:
 
 
 def test_the_job_section_made_beside_the_rest_of_the_page_is_the_same(run_path, tmp_path, monkeypatch):
-    from ciuic_doctor.report import sections, steps_section
+    from ciuic_doctor.report import band_plots, sections, steps_section
 
     alone = _job_section(run_path, 10**12, monkeypatch)
     assert "<svg" in alone
     assert "steps_per_rank.csv" in alone
-    pids = tmp_path / "pids"
-    original = steps_section.job_content
+    assert "heat-map of pace and memory" in alone
+    pids, heatmap_pids = tmp_path / "pids", tmp_path / "heatmap_pids"
 
-    def noting_pid(*args, **kwargs):
-        with open(pids, "a") as fh:
-            fh.write(f"{os.getpid()}\n")
-        return original(*args, **kwargs)
+    def noting_pid(original, path):
+        def noted(*args, **kwargs):
+            with open(path, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(sections, "job_content", noting_pid)
+        return noted
+
+    monkeypatch.setattr(sections, "job_content", noting_pid(steps_section.job_content, pids))
+    monkeypatch.setattr(band_plots, "host_heatmap", noting_pid(band_plots.host_heatmap, heatmap_pids))
     assert _job_section(run_path, 0, monkeypatch) == alone
-    assert [int(p) for p in pids.read_text().split()] != [os.getpid()]  # made in a forked worker
+    worker = [int(p) for p in pids.read_text().split()]
+    assert worker != [os.getpid()]  # made in a forked worker
+    # and its heat-map in a worker of its own, beside the bands
+    assert [int(p) for p in heatmap_pids.read_text().split()] not in ([os.getpid()], worker)
 
 
 def test_a_job_section_worker_killed_leaves_it_to_this_process(run_path, monkeypatch):

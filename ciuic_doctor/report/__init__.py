@@ -145,15 +145,17 @@ def _build_report(
         result.analysed = True
     else:
         findings = load_findings(run)
+    if progress is not None:
+        progress("building the page")
+    streams = sections.load_streams(run, preloaded)
+    # first: on a big job the job section's plots are made in a worker, beside all that follows
+    parts, finish_parts = sections.start_sections(streams, findings, meta)
     plan = recommend(spec, findings, meta, resolved=resolved)
     from ciuic_doctor.recommend import verified
 
     verification = verified.load(run)  # what `verify` found, change by change
     plan = verified.apply(plan, verification)
     file_plan, unverified = verified.for_files(plan)
-    if progress is not None:
-        progress("building the page")
-    streams = sections.load_streams(run, preloaded)
     steps = streams.get("steps") or []
     first_rank = min((rank for r in steps if (rank := plots.rank_of(r)) is not None), default=0)
     grad_norms = [
@@ -168,7 +170,6 @@ def _build_report(
         resolved = replace(resolved, kind="imported", note=imported.spec_note(meta))
     title = imported.log_title(meta)
     shown = replace(spec, job=replace(spec.job, name=title)) if title else spec  # the report's title
-    parts, finish_parts = sections.start_sections(streams, findings, meta)  # the job's plots: beside
     if baseline is not None:
         from ciuic_doctor.report.compare_section import write_comparison
 

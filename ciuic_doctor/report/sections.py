@@ -412,7 +412,7 @@ def _job_beside(
 
     def make() -> tuple[list[str], list[Table], list[str], dict[str, str]]:
         work = replace(section, findings=mine, plots=[], tables=[], notes=[], files={})
-        job_content(work, steps, mine)
+        job_content(work, steps, mine, heatmap_beside=True)
         return work.plots, work.tables, work.notes, work.files
 
     return beside(make)

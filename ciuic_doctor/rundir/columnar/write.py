@@ -188,20 +188,9 @@ def save(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        _give_back_memory()
+        from ciuic_doctor.rundir.frames.cache import give_back_memory
 
-
-def _give_back_memory() -> None:
-    """Hand the writing's freed memory back to the OS: the encoders' pages kept by Arrow's pool and the
-    block keys' kept by glibc's heap. Kept, they sat under the tables the analyses build next: the first
-    report's peak (10,000 ranks x 1,000 steps) came ~140 MB lower with them given back."""
-    import ctypes
-
-    import pyarrow as pa
-
-    pa.default_memory_pool().release_unused()
-    with contextlib.suppress(OSError, AttributeError):  # glibc's; another C library has no malloc_trim
-        ctypes.CDLL(None).malloc_trim(0)
+        give_back_memory()  # the writing's: under the tables the analyses build next, +140 MB at the peak
 
 
 def _count(rows: Any) -> int:

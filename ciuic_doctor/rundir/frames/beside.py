@@ -41,6 +41,7 @@ def read_beside(run: RunDir, stream: str) -> Iterator[None]:
     of the stream, which reads it again and says what is wrong; when the body raises (Ctrl-C), the
     thread is not waited for (a daemon: the process may end under it)."""
     from ciuic_doctor.rundir.frames import STREAM_COLUMNS, read_stream
+    from ciuic_doctor.rundir.frames.cache import give_back_memory
 
     if stream not in STREAM_COLUMNS or not run.has_stream(stream):
         yield
@@ -55,6 +56,7 @@ def read_beside(run: RunDir, stream: str) -> Iterator[None]:
     thread.start()
     yield
     thread.join()
+    give_back_memory()  # what both reads freed, before the caller builds on them
 
 
 def _fresh_copy(run: RunDir, stream: str) -> bool:

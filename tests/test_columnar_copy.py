@@ -374,3 +374,51 @@ def test_a_fresh_copy_is_read_beside_the_callers_read_and_nothing_else_is(run_21
     frames.clear_cache()
     with frames.one_snapshot(), read_beside(RunDir.open(run), "steps"):
         assert not _cached_within(key, 1.0)
+
+
+@pytest.mark.parametrize("spanning", [False, True])
+def test_memwatch_read_as_its_parts_hold_it_gives_the_same_processes_and_page(
+    run_2100, tmp_path, monkeypatch, spanning
+):
+    """The memory analysis and the page take memwatch's rows as the copy's parts hold them (rank block by
+    rank block, each row's place in the stream beside): every process's samples, roles, hosts, first
+    appearance and the page's view equal those of the JSONL's order. `spanning`: a process whose last
+    samples name no rank has samples in two parts (the rank-less part, read first, and its rank's)."""
+    import numpy as np
+
+    from ciuic_doctor.analysis.memory.columns import NUMERIC, MemwatchColumns
+    from ciuic_doctor.report import memwatch_view
+
+    run = _copy_of(run_2100, tmp_path)
+    if spanning:
+        path = run / "memwatch.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        spans = [r for r in records if r.get("rank") == 1500][-2:]  # in the rank-less part, read first
+        for record in spans:
+            record["rank"] = None
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    def taken() -> tuple:
+        frames.clear_cache()
+        samples = MemwatchColumns(RunDir.open(run))
+        view = memwatch_view.load(RunDir.open(run))
+        columns = {name: samples.gather(name, slice(None)) for name in NUMERIC}
+        order = (list(samples.bounds().items()), list(samples.roles.items()), samples._hosts)
+        return order, columns, (list(view), view.processes, view.key)
+
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", str(10**15))  # the JSONL, in the stream's order
+    want = taken()
+    assert not (run / "columnar" / "memwatch").exists()
+    monkeypatch.setenv("CIUIC_COLUMNAR_MIN_BYTES", "0")
+    frames.columnar_copy(RunDir.open(run), "memwatch")
+    frames.clear_cache()
+    read = frames.read_stream(RunDir.open(run), "memwatch", ["pid"], any_order=True)
+    assert read.stream_rows is not None  # read as the parts hold it, not put in the stream's order
+    assert not (np.diff(read.stream_rows) > 0).all()
+    got = taken()
+    assert got[0] == want[0]
+    for name in NUMERIC:
+        np.testing.assert_array_equal(got[1][name], want[1][name])
+    assert got[2] == want[2]
+    # a reader that asks for the stream's order gets it from the same cached read
+    assert frames.read_stream(RunDir.open(run), "memwatch", ["pid"]).stream_rows is None

@@ -45,12 +45,17 @@ def load(run: RunDir) -> MemwatchSamples:
 
     if not run.has_stream("memwatch"):
         return MemwatchSamples([], [], "rss")
-    table = read_stream(run, "memwatch", COLUMNS, encoded=True).table  # role: codes, not 120 MB of strings
+    # role: codes, not 120 MB of strings; the rows as the columnar copy holds them (the memory analysis's
+    # table): where they are not in the stream's order, `places` is where each sits in it
+    read = read_stream(run, "memwatch", COLUMNS, encoded=True, any_order=True)
+    table, places = read.table, read.stream_rows
     if not table.num_rows:
         return MemwatchSamples([], [], "rss")
     names, codes = _process_codes(table)
     key = "uss" if _any_positive(table["uss"]) else "rss"
-    return MemwatchSamples(_plot_samples(table, names, codes, key), _summaries(table, names, codes), key)
+    return MemwatchSamples(
+        _plot_samples(table, names, codes, key, places), _summaries(table, names, codes, places), key
+    )
 
 
 def _process_codes(table: pa.Table) -> tuple[list[str], np.ndarray]:
@@ -93,10 +98,13 @@ def _any_positive(column: pa.ChunkedArray) -> bool:
     return bool(pc.any(pc.greater(column, 0)).as_py())
 
 
-def _summaries(table: pa.Table, names: list[str], codes: np.ndarray) -> list[dict[str, Any]]:
+def _summaries(
+    table: pa.Table, names: list[str], codes: np.ndarray, places: np.ndarray | None = None
+) -> list[dict[str, Any]]:
     """Per process: samples, first / last / peak RSS and last USS over the samples where they are known
     (null or NaN left out), BLOCK_ROWS samples at a time. Sizes are floats (bytes) and the sample count
-    an int, as the row summary (`sections._processes`) gives them (the table showed "884.0" samples)."""
+    an int, as the row summary (`sections._processes`) gives them (the table showed "884.0" samples).
+    First and last are by place in the stream: `places` (each row's), where the rows are not in its order."""
     import numpy as np
 
     from ciuic_doctor.rundir.frames import float_values
@@ -110,15 +118,23 @@ def _summaries(table: pa.Table, names: list[str], codes: np.ndarray) -> list[dic
         at = np.flatnonzero(~np.isnan(rss))
         np.maximum.at(peak, group[at], rss[at])
         at += start
-        np.minimum.at(first, codes[at], at)
-        np.maximum.at(last, codes[at], at)
+        place = at if places is None else places[at].astype(np.int64)  # ufunc.at's fast path: one dtype
+        np.minimum.at(first, codes[at], place)
+        np.maximum.at(last, codes[at], place)
         uss = float_values(table["uss"].slice(start, len(group)))
         at = np.flatnonzero(~np.isnan(uss)) + start
-        np.maximum.at(last_uss, codes[at], at)
+        np.maximum.at(last_uss, codes[at], at if places is None else places[at].astype(np.int64))
     has = last >= 0
+    first = np.where(has, first, -1)
+    if places is not None:  # back from places in the stream to rows of the table
+        row_at = np.empty(len(places), np.int64)
+        row_at[places] = np.arange(len(places))
+        first, last, last_uss = (
+            np.where(place >= 0, row_at[np.maximum(place, 0)], -1) for place in (first, last, last_uss)
+        )
     figures = {
         "samples": np.bincount(codes, minlength=count).tolist(),
-        "first_rss": _at(table["rss"], np.where(has, first, -1)).tolist(),
+        "first_rss": _at(table["rss"], first).tolist(),
         "last_rss": _at(table["rss"], last).tolist(),
         "peak_rss": np.where(has, peak, np.nan).tolist(),
         "last_uss": _at(table["uss"], last_uss).tolist(),
@@ -139,11 +155,14 @@ def _at(column: pa.ChunkedArray, rows: np.ndarray) -> np.ndarray:
     return np.where(rows >= 0, float_values(column.take(pa.array(np.maximum(rows, 0)))), np.nan)
 
 
-def _plot_samples(table: pa.Table, names: list[str], codes: np.ndarray, key: str) -> list[dict[str, Any]]:
+def _plot_samples(
+    table: pa.Table, names: list[str], codes: np.ndarray, key: str, places: np.ndarray | None = None
+) -> list[dict[str, Any]]:
     """The samples `plots.memwatch_plot` draws of the PLOT_PROCESSES first processes by name, as records:
     each of its lines already sorted and thinned to MAX_POINTS as the plot does it (so it keeps them all),
     and the earliest sample, from which the plot counts time. At 3,000 ranks the agents of 375 hosts
-    share one role: 331,500 samples were made into dicts for a line of 600 points."""
+    share one role: 331,500 samples were made into dicts for a line of 600 points. Ties go by place in
+    the stream (`places`, each row's, where the rows are not in its order)."""
     import numpy as np
     import pyarrow as pa
 
@@ -155,17 +174,21 @@ def _plot_samples(table: pa.Table, names: list[str], codes: np.ndarray, key: str
     taken = pa.array(rows)
     t, value = float_values(table["t"].take(taken)), float_values(table[key].take(taken))
     group = codes[rows]
+    place = rows if places is None else places[rows]  # rows ascend in the table; places, in the stream
     known = np.isfinite(t)
     if not known.any():  # no time to draw against (the plot draws nothing), yet samples were taken
-        seen = np.flatnonzero(~np.isnan(t))[:1]
+        seen = np.flatnonzero(~np.isnan(t))
+        seen = seen[np.argsort(place[seen])[:1]]
         return [{"t": float(t[i]), "role": drawn[group[i]], key: None} for i in seen]
-    start = int(np.flatnonzero(known)[np.argmin(t[known])])
+    earliest = np.flatnonzero(known & (t == np.min(t[known])))
+    start = int(earliest[np.argmin(place[earliest])])
     samples = [{"t": float(t[start]), "role": drawn[group[start]], key: None}]
     lines = [memwatch_series({"role": name}) for name in drawn]
     for line in sorted(set(lines)):
         members = [i for i, name in enumerate(lines) if name == line]
         picked = np.flatnonzero(np.isin(group, members) & known & np.isfinite(value))
-        order = np.lexsort((value[picked] / 2**20, t[picked] - t[start]))  # the plot's (x, y) order
+        # the plot's (x, y) order, ties in the stream's
+        order = np.lexsort((place[picked], value[picked] / 2**20, t[picked] - t[start]))
         for i in picked[order[:: max(1, len(order) // MAX_POINTS)]]:
             samples.append({"t": float(t[i]), "role": drawn[group[i]], key: float(value[i])})
     return samples

@@ -60,15 +60,17 @@ def pid_of(key: int | None) -> int | None:
     return None if key is None else key & ((1 << PID_BITS) - 1)
 
 
-def _process_keys(table: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(each sample's process key, the stable order that groups them). A process is its host and PID:
-    nodes booted alike give their ranks the same PIDs, and keyed by PID alone two ranks on two nodes
-    were one series (half the slope, one rank checked). The key is the PID itself unless that PID is on
-    more than one host; then the host's dictionary code goes above PID_BITS (`pid_of` takes it off)."""
+def _process_keys(table: Any, stream_rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """(each sample's process key, the order that groups them, each process's samples in stream order).
+    A process is its host and PID: nodes booted alike give their ranks the same PIDs, and keyed by PID
+    alone two ranks on two nodes were one series (half the slope, one rank checked). The key is the PID
+    itself unless that PID is on more than one host; then the host's dictionary code goes above PID_BITS
+    (`pid_of` takes it off). `stream_rows`: the rows' places in the stream, where the table is not in
+    its order (`TableRead.stream_rows`)."""
     import numpy as np
 
     pid = table["pid"].to_numpy()
-    order = np.argsort(pid, kind="stable")
+    order = _grouped(pid, stream_rows)
     if "host" not in table.column_names:
         return pid, order
     codes = _host_codes(table["host"])
@@ -76,7 +78,30 @@ def _process_keys(table: Any) -> tuple[np.ndarray, np.ndarray]:
     if not len(shared):  # every PID on one host (one node, or nodes that differ): the PID is the key
         return pid, order
     key = np.where(np.isin(pid, shared), pid + ((codes.astype(np.int64) + 2) << PID_BITS), pid)
-    return key, np.argsort(key, kind="stable")
+    return key, _grouped(key, stream_rows)
+
+
+def _grouped(key: np.ndarray, stream_rows: np.ndarray | None) -> np.ndarray:
+    """The rows by key, each key's rows in stream order: what a stable argsort of the key gives over the
+    stream's rows. A copy's parts hold each process's samples in stream order (every sample of a process
+    names its rank, whose part holds them all), so a stable argsort of the parts' rows gives it too;
+    checked, and sorted on the places where a process's samples span parts.
+
+    >>> import numpy as np
+    >>> _grouped(np.array([7, 5, 7, 5]), np.array([2, 3, 0, 1])).tolist()
+    [3, 1, 2, 0]
+    """
+    import numpy as np
+
+    order = np.argsort(key, kind="stable")
+    if stream_rows is None:
+        return order
+    for start in range(0, len(order) - 1, QUERY_BLOCK):  # a block at a time: whole copies in key order
+        rows = order[start : start + QUERY_BLOCK + 1]  # were 170 MB at 10,000 ranks, at the report's peak
+        keys, places = key[rows], stream_rows[rows]
+        if not ((keys[1:] != keys[:-1]) | (places[1:] > places[:-1])).all():
+            return np.lexsort((stream_rows, key))
+    return order
 
 
 def _host_codes(host: Any) -> np.ndarray:
@@ -135,20 +160,24 @@ class MemwatchColumns(Mapping):
         self.rows = 0
         if not run.has_stream("memwatch"):
             return
-        table = read_stream(run, "memwatch", self.COLUMNS, encoded=True).table  # role, host: codes
+        # role, host: codes; the rows as the columnar copy holds them, grouped by process below anyway
+        read = read_stream(run, "memwatch", self.COLUMNS, encoded=True, any_order=True)
+        table, stream_rows = read.table, read.stream_rows
         # a sample without a PID or a time (0 counts as none, as the row checks had it) is no sample
         t = table["t"]
         keep = pc.and_(pc.is_valid(table["pid"]), pc.and_(pc.is_valid(t), pc.not_equal(t, 0.0)))
         keep = keep.fill_null(False)
         if not pc.all(keep).as_py():  # a filter copies every column: only when a sample goes
             table = table.filter(keep)
+            if stream_rows is not None:
+                stream_rows = stream_rows[keep.to_numpy(zero_copy_only=False)]
         if not table.num_rows:
             return
         # Each process's samples in file order: one stable sort by PID. A column is never copied into that
         # order for the job (PID-ordered copies of six columns were 480 MB at 10,000 ranks): a block of
         # ranks or one process gathers its own samples through `order` (`gather`); `flat`, the whole
         # job's, is for a run of at most one block (`memory.blocks`).
-        pid, order = _process_keys(table)
+        pid, order = _process_keys(table, stream_rows)
         if len(order) < 2**31:  # 40 MB instead of 80 at 10,000 ranks
             order = order.astype(np.int32)
         pid = pid[order]
@@ -163,11 +192,11 @@ class MemwatchColumns(Mapping):
         self._columns = LazyColumns(NUMERIC, lambda name: own().gather(name, slice(None)))
         roles = table["role"].take(order[stops - 1]).to_pylist()  # a pid's last role wins
         hosts = table["host"].take(order[starts]).to_pylist()
-        # in order of first appearance: a stable sort keeps each PID's first sample first
-        for p, start, stop, role, host in sorted(
-            zip(unique.tolist(), starts.tolist(), stops.tolist(), roles, hosts, strict=True),
-            key=lambda row: int(order[row[1]]),
-        ):
+        # in order of first appearance in the stream: each process's first sample is its first in `order`
+        first = order[starts] if stream_rows is None else stream_rows[order[starts]]
+        rows = list(zip(unique.tolist(), starts.tolist(), stops.tolist(), roles, hosts, strict=True))
+        for i in np.argsort(first).tolist():  # places are distinct: any sort gives the one order
+            p, start, stop, role, host = rows[i]
             self._bounds[p] = (start, stop)
             self.roles[p] = role
             self._hosts[p] = host

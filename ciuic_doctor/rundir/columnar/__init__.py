@@ -20,7 +20,7 @@ places), and anything that does not match sends the report back to the JSONL.
 """
 
 from ciuic_doctor.rundir.columnar.layout import RANKS_PER_PART, Counts, Manifest, read_manifest, stream_dir
-from ciuic_doctor.rundir.columnar.read import StaleCopy, load, read_ranks
+from ciuic_doctor.rundir.columnar.read import StaleCopy, load, load_any_order, read_ranks
 from ciuic_doctor.rundir.columnar.write import save
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Manifest",
     "StaleCopy",
     "load",
+    "load_any_order",
     "read_manifest",
     "read_ranks",
     "save",

@@ -393,21 +393,26 @@ STREAM_COLUMNS = {
 
 
 def read_stream(
-    run: RunDir, stream: str, columns: Sequence[str], *, encoded: bool = False, cached: bool = True
+    run: RunDir,
+    stream: str,
+    columns: Sequence[str],
+    *,
+    encoded: bool = False,
+    cached: bool = True,
+    any_order: bool = False,
 ) -> TableRead:
     """`columns` of every valid record of `stream` (shared file first, then per-rank files in rank order);
-    what the reader skipped goes to `run.read_problems[stream]`, in the row reader's words. `encoded`:
-    strings of few values (host, role) stay dictionary-encoded (`TableRead.select`).
-
-    The stream's table is kept while its files are unchanged (same sizes and mtimes), so the analyses and
-    the report of one `ciuic-doctor report` parse it once; the CACHED_STREAMS last streams are kept.
-    `cached=False`: read past the cache (a stream read once, which would push steps or memwatch out).
-    Inside `one_snapshot`, a table this snapshot has read or checked is used without looking at the files
-    again (one cached before it began is checked first)."""
+    what the reader skipped goes to `run.read_problems[stream]`. `encoded`: strings of few values (host,
+    role) stay dictionary-encoded (`TableRead.select`). `any_order`: the rows may come as the columnar
+    copy's parts hold them, `stream_rows` their places in the stream (for a reader that groups them).
+    The table is kept while the stream's files are unchanged (sizes, mtimes): the analyses and the page of
+    one report parse it once; the CACHED_STREAMS last streams are kept. `cached=False`: read past the cache
+    (a stream read once, which would push steps or memwatch out). Inside `one_snapshot`, a table this
+    snapshot has read or checked is used without looking at the files again (one cached before is checked)."""
     key = (str(run.path.resolve()), stream)
     if (taken := pinned(key, columns)) is not None:
         _note_problems(run, stream, taken)
-        return taken.select(columns, encoded=encoded)
+        return (taken if any_order else taken.in_stream_order()).select(columns, encoded=encoded)
     files = run.stream_files(stream)
     stamp, sources = _stamp(files)
     held = _CACHE.get(key)
@@ -419,10 +424,10 @@ def read_stream(
     else:
         _CACHE.pop(key, None)
         wanted = [*columns, *STREAM_COLUMNS.get(stream, ())]
-        read = _read_through_copy(run, stream, files, wanted, sources=sources)
+        read = _read_through_copy(run, stream, files, wanted, sources=sources, any_order=any_order)
         keep(key, stamp, read)
     _note_problems(run, stream, read)
-    return read.select(columns, encoded=encoded)
+    return (read if any_order else read.in_stream_order()).select(columns, encoded=encoded)
 
 
 def columnar_copy(run: RunDir, stream: str) -> TableRead:
@@ -441,6 +446,7 @@ def _read_through_copy(
     *,
     sources: list[list[Any]],
     threshold: int | None = None,
+    any_order: bool = False,
 ) -> TableRead:
     """The stream from its columnar copy when one matches the files as they are now (`sources`: taken
     before the read, so a file that grows during it makes the copy stale); else from the JSONL, and then
@@ -450,7 +456,7 @@ def _read_through_copy(
     plan = copies.plan(stream, files, sources, threshold) if stream in STREAM_COLUMNS else None
     if plan is None:
         return read_table(files, columns, stream, encoded=True)
-    if (read := copies.load(run, plan, columns)) is not None:
+    if (read := copies.load(run, plan, columns, any_order=any_order)) is not None:
         return read
     read = read_table(files, columns, stream, encoded=True)
     copies.save(run, plan, read)

@@ -52,16 +52,17 @@ def fresh_manifest(run: RunDir, stream: str, sources: list[list[Any]]) -> Any | 
     return manifest if manifest is not None and manifest.sources == sources else None
 
 
-def load(run: RunDir, plan: CopyPlan, columns: list[str]) -> TableRead | None:
+def load(run: RunDir, plan: CopyPlan, columns: list[str], *, any_order: bool = False) -> TableRead | None:
     """The stream from its copy when the copy was made from these files as they are; None otherwise (a
-    copy that does not match its manifest is never half-used: the caller reads the JSONL)."""
+    copy that does not match its manifest is never half-used: the caller reads the JSONL). `any_order`:
+    the rows as the copy's parts hold them (`TableRead.stream_rows`)."""
     from ciuic_doctor.rundir import columnar
 
     manifest = fresh_manifest(run, plan.stream, plan.sources)
     if manifest is None:
         return None
     try:
-        table = columnar.load(run.path, manifest, columns)
+        table, stream_rows = columnar.load_any_order(run.path, manifest, columns, stream_order=not any_order)
     except (columnar.StaleCopy, OSError, ValueError):
         return None
     counts = manifest.counts
@@ -73,6 +74,7 @@ def load(run: RunDir, plan: CopyPlan, columns: list[str]) -> TableRead | None:
         invalid_records=counts.invalid_records,
         invalid_reasons=dict(counts.invalid_reasons),
         copy_id=manifest.copy_id,
+        stream_rows=stream_rows,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -11,6 +11,7 @@ from ciuic_doctor.rundir.frames.assemble import plain_strings
 from ciuic_doctor.rundir.store import StreamRead
 
 if TYPE_CHECKING:
+    import numpy as np
     import pandas
     import pyarrow
 
@@ -28,6 +29,9 @@ class TableRead:
     parquet_files: int = 0
     part_files: int = 0  # files read from the part their writer left at its exit (`frames.file_parts`)
     copy_id: str | None = None  # the columnar copy read or written (`rundir.columnar`), for block readers
+    # None: the rows are in the stream's order. Else each row's place in the stream: a columnar copy of a
+    # stream whose ranks interleave, read as its parts hold them (`read_stream(..., any_order=True)`)
+    stream_rows: np.ndarray | None = None
 
     def frame(self) -> pandas.DataFrame:
         """The table as pandas (numpy-backed columns; null ints become float NaN), one block per column:
@@ -56,7 +60,27 @@ class TableRead:
             parquet_files=self.parquet_files,
             part_files=self.part_files,
             copy_id=self.copy_id,
+            stream_rows=self.stream_rows,
         )
+
+    def in_stream_order(self) -> TableRead:
+        """The same read with its rows in the stream's order (itself when they are).
+
+        >>> import numpy as np, pyarrow as pa
+        >>> read = TableRead(table=pa.table({"t": [3.0, 1.0, 2.0]}), stream_rows=np.array([2, 0, 1]))
+        >>> read.in_stream_order().table["t"].to_pylist()
+        [1.0, 2.0, 3.0]
+        """
+        import numpy as np
+        import pyarrow as pa
+
+        if self.stream_rows is None:
+            return self
+        order = np.empty(len(self.stream_rows), np.int64)
+        order[self.stream_rows] = np.arange(len(self.stream_rows))
+        taken = self.table.take(pa.array(order))
+        table = pa.table({name: taken[name].combine_chunks() for name in taken.column_names})
+        return replace(self, table=table, stream_rows=None)
 
     def problems(self) -> str | None:
         """What was skipped, in the row reader's words (`StreamRead.problems`); None when nothing was."""

@@ -147,8 +147,11 @@ def _join_fragmentation(parts: list[Fragmentation]) -> Fragmentation:
 
 
 def _fragmentation_figures(data: _Data) -> Fragmentation:
+    """Each rank's medians after its warm-up (over every row when none is past it), NaN left out as pandas'
+    groupby median leaves it, in grouped numpy passes: pandas' groupby was 1.4 s of CPU at 10,000 ranks."""
     import numpy as np
-    import pandas as pd
+
+    from ciuic_doctor.analysis.stats.grouped import grouped_median
 
     index = _Index(data)
     steps = data.steps
@@ -158,15 +161,20 @@ def _fragmentation_figures(data: _Data) -> Fragmentation:
             ranks=[],
             **{k: np.empty(0) for k in ("reserved", "allocated", "peak", "inactive_split", "retries")},
         )
-    frame = pd.DataFrame(
-        {"id": index.step_id, "step": steps.flat("step"), **{n: steps.flat(n) for n in names}}
-    )
-    frame = frame[frame["mem_reserved"].notna()]
-    ids = np.unique(frame["id"].to_numpy())
-    first = frame.groupby("id")["step"].transform("min")
-    steady = frame["step"] >= first + WARMUP_STEPS
-    any_steady = steady.groupby(frame["id"]).transform("any")
-    medians = frame[steady | ~any_steady].groupby("id")[list(names)].median().reindex(ids)
+    count = len(index.ranks)
+    rows = np.flatnonzero(~np.isnan(steps.flat("mem_reserved")))  # rows with the allocator's figures
+    group, step = index.step_id[rows], steps.flat("step")[rows]
+    ids = np.flatnonzero(np.bincount(group, minlength=count))
+    first = np.full(count, np.inf)
+    np.fmin.at(first, group, step)  # NaN left out, as pandas' min
+    steady = step >= first[group] + WARMUP_STEPS
+    any_steady = np.bincount(group[steady], minlength=count) > 0
+    used = steady | ~any_steady[group]
+    medians = {}
+    for name in names:
+        values = steps.flat(name)[rows][used]
+        known = ~np.isnan(values)
+        medians[name] = grouped_median(group[used][known], values[known], count)[ids]
     retries = np.zeros(len(ids))
     values = steps.flat("alloc_retries")
     finite = ~np.isnan(values)
@@ -182,9 +190,9 @@ def _fragmentation_figures(data: _Data) -> Fragmentation:
         retries = per_rank[ids]
     return Fragmentation(
         ranks=[index.ranks[i] for i in ids.tolist()],
-        reserved=medians["mem_reserved"].to_numpy(),
-        allocated=medians["mem_allocated"].to_numpy(),
-        peak=medians["mem_active_peak"].to_numpy(),
-        inactive_split=medians["inactive_split_bytes"].to_numpy(),
+        reserved=medians["mem_reserved"],
+        allocated=medians["mem_allocated"],
+        peak=medians["mem_active_peak"],
+        inactive_split=medians["inactive_split_bytes"],
         retries=retries,
     )

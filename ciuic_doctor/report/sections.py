@@ -406,7 +406,9 @@ def _job_beside(
     if parallel.workers(2) < 2:
         return None
     from ciuic_doctor.parallel.forked import beside
+    from ciuic_doctor.report.plots import _pyplot
 
+    _pyplot()  # matplotlib imported once, here: the worker and its heat-map's inherit it (~1 s of CPU each)
     section = next(s for s in sections if s.id == "job")
     mine = sort_findings([f for f in findings if f.probe in section.probes])
 

@@ -287,3 +287,36 @@ def test_the_memory_analysis_lets_its_data_go_without_the_cycle_collector(judged
     finally:
         gc.enable()
     assert alive == [False]
+
+
+def test_the_passes_made_ahead_in_one_map_give_the_same_findings(judged, monkeypatch):
+    """memory.analyze runs its five grouped passes over the blocks in one map (`blocks.run_ahead`), in
+    forked workers; the findings equal those of the passes made one map each, when asked."""
+    from ciuic_doctor import parallel
+    from ciuic_doctor.analysis import memory
+    from ciuic_doctor.analysis.memory import blocks as _memory_blocks
+
+    path, _ = judged
+    monkeypatch.setattr(_memory_blocks, "RANKS_PER_BLOCK", 7)  # 32 ranks: 5 blocks
+    maps = []
+    original = _memory_blocks.map_blocks
+
+    def counted(fn, items, **kwargs):
+        maps.append(len(items))
+        return original(fn, items, **kwargs)
+
+    monkeypatch.setattr(_memory_blocks, "map_blocks", counted)
+
+    def findings() -> list[dict]:
+        frames.clear_cache()
+        with parallel.using(jobs=2):
+            return [f.to_dict() for f in memory.analyze(RunDir.open(path))]
+
+    ahead = findings()
+    assert maps == [5]  # every pass in one map of the 5 blocks
+    maps.clear()
+    monkeypatch.setattr(memory, "run_ahead", lambda data, passes: None)
+    one_by_one = findings()
+    assert maps == [5, 5, 5, 5, 5]
+    assert ahead == one_by_one
+    assert any(f["verdict"] == "warn" for f in ahead)

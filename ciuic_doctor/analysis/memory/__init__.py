@@ -36,6 +36,10 @@ Sizes in `_mb` keys are MiB (2**20), like every size in ciuic-doctor.
 
 from __future__ import annotations
 
+from functools import partial
+
+from ciuic_doctor.analysis.memory import batch, cuda_figures
+from ciuic_doctor.analysis.memory.blocks import run_ahead
 from ciuic_doctor.analysis.memory.cuda import cuda_findings
 from ciuic_doctor.analysis.memory.data import _Data
 from ciuic_doctor.analysis.memory.leaks import leak_findings
@@ -44,10 +48,19 @@ from ciuic_doctor.rundir.findings import Finding
 from ciuic_doctor.rundir.store import RunDir
 
 STREAMS = ("memwatch", "steps")
+# the grouped passes the checks make (`memory.blocks.in_blocks`: make, slim), in the order they ask
+PASSES = (
+    (batch._host_fits, batch.without_points),
+    (batch._device_fits, batch.without_points),
+    (cuda_figures._fragmentation_figures, None),
+    (cuda_figures._non_pytorch_fits, cuda_figures._without_points),
+    (partial(batch._steps_fits, name="mem_reserved", ranks=None), batch.without_points),
+)
 OWN_WORKERS = True  # its per-block passes fork their own workers: the analyses after it may run side by side
 
 
 def analyze(run: RunDir) -> list[Finding]:
     """Every memory check that the run's records allow; the others say not_run and why."""
     data = _Data(run)
+    run_ahead(data, PASSES)  # on a big job, the checks' five grouped passes in one map over the blocks
     return [*leak_findings(data), *cuda_findings(data), *worker_findings(data)]

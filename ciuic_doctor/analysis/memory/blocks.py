@@ -17,7 +17,7 @@ made once and kept on the cluster for the following passes (`parallel.Remote`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -102,6 +102,11 @@ class _DataBlock:
 
     def rank_pid(self, rank: int) -> int | None:
         return self._pids[rank]
+
+    def forget(self) -> None:
+        """Let the converted columns go (between two passes over this block: each pass's, not all five)."""
+        self.steps._flat.clear()
+        self.memwatch._flat.clear()
 
     def packed(self) -> _PackedBlock:
         """This block as arrays only: what a Dask worker needs, pickled without the job's tables."""
@@ -190,7 +195,10 @@ def in_blocks(
 ) -> T:
     """`make(data)`, computed RANKS_PER_BLOCK ranks at a time (in parallel: `parallel.map_blocks`) and
     joined in rank order; one call for a smaller job. `slim`: what of a block's result `join` does not
-    read is dropped where the block ran, before it is pickled back (a fit's points: 24 MB a block)."""
+    read is dropped where the block ran, before it is pickled back (a fit's points: 24 MB a block).
+    A pass that `run_ahead` made already is joined from its blocks' results."""
+    if (made := getattr(data, "made_ahead", {}).pop(_pass_key(make), None)) is not None:
+        return join(made)
     ranks = data.ranks()
     size = block_size(len(ranks), width())
     if len(ranks) <= size:
@@ -201,6 +209,41 @@ def in_blocks(
     # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
     remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
     return join(map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote))
+
+
+Pass = tuple[Callable[[Any], Any], Callable[[Any], Any] | None]  # (make, slim), as `in_blocks` takes them
+
+
+def run_ahead(data: _Data, passes: Sequence[Pass]) -> None:
+    """Every pass of `passes` over every block in one map, a block's passes one after the other where it
+    runs; each pass's block results are kept on `data` for its `in_blocks`. Five maps one after the other
+    left a worker idle at the end of each (one block ahead of the other) and both idle while this process
+    joined one pass and sent the next: ~0.6 s of 9 at 10,000 ranks on 2 cores."""
+    ranks = data.ranks()
+    size = block_size(len(ranks), width())
+    if len(ranks) <= size:  # one call per pass, made when asked
+        return
+    blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
+    run = partial(_every_pass, tuple(passes))
+    remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
+    results = map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote)
+    data.made_ahead = {_pass_key(make): [r[k] for r in results] for k, (make, _) in enumerate(passes)}
+
+
+def _every_pass(passes: tuple[Pass, ...], block: Any) -> tuple:
+    out = []
+    for make, slim in passes:
+        out.append(make(block) if slim is None else slim(make(block)))
+        if hasattr(block, "forget"):
+            block.forget()
+    return tuple(out)
+
+
+def _pass_key(make: Callable[[Any], Any]) -> Any:
+    """The same for two equal partials of one function (what `run_ahead` and a pass's caller each make)."""
+    if isinstance(make, partial):
+        return (make.func, make.args, tuple(sorted(make.keywords.items())))
+    return make
 
 
 def _block_of(data: _Data, ranks: tuple[int, ...]) -> _DataBlock:

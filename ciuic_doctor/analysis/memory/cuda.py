@@ -160,9 +160,14 @@ def _reserved_growing(data: _Data, ranks: list[int]) -> list[int]:
     """Ranks (of `ranks`) whose reserved bytes grow (the shared growth test, 64 MiB floor) while their
     allocated bytes grow less than half as fast: the cache fragments. Reserved is fitted for every rank
     in one grouped pass; allocated only for the ranks whose reserved grows."""
-    fits = steps_fits(data, "mem_reserved", ranks)
+    # every rank's fit (a pass `memory.analyze` runs ahead with the others), then only `ranks`: a rank
+    # with a finite reserved value has fragmentation figures, so the fit of `ranks` alone is the same
+    fits = steps_fits(data, "mem_reserved")
     out = []
+    wanted = set(ranks)
     for i in fits.grows(NON_PYTORCH_MIN_BYTES).nonzero()[0].tolist():
+        if fits.ranks[i] not in wanted:
+            continue
         rank, reserved = fits.ranks[i], fits.trends.trend(i)
         ax, ay = data.steps_field(rank, "mem_allocated")
         allocated = robust_trend(ax, ay) if len(ax) >= MIN_POINTS else None

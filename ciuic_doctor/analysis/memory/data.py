@@ -76,6 +76,8 @@ class _Data:
         # Issue 23's hook: the first step of each rank the leak trends may use (its first optimizer step),
         # rank -> step; None keeps every step after the warm-up.
         self.first_step: dict[int, float] | None = None
+        # (pass key -> its blocks' results): the grouped passes `memory.blocks.run_ahead` made together
+        self.made_ahead: dict[Any, list[Any]] = {}
 
     def gpu_absent_reason(self) -> str:
         """Why the samples carry no per-process GPU memory."""

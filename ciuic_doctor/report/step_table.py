@@ -173,13 +173,58 @@ class StepTable:
             yield table.slice(start, stop - start) if order is None else table.take(order[start:stop])
 
     def per_rank(self) -> pd.DataFrame:
-        """summarise of every rank (one row each, by rank)."""
+        """summarise of every rank (one row each, by rank), a block of whole ranks at a time in numpy
+        (`_summarised`): a pandas frame of each block, grouped, was 0.55 s at 10,000 ranks × 1,000 steps,
+        on the path of the page's job section."""
         import pandas as pd
 
-        from ciuic_doctor.rundir.frames.assemble import plain_strings
+        return pd.concat([_summarised(block) for block in self._rank_blocks()], ignore_index=True)
 
-        frames = (plain_strings(block).to_pandas(split_blocks=True) for block in self._rank_blocks())
-        return pd.concat([summarise(frame) for frame in frames], ignore_index=True)
+
+def _summarised(block: pa.Table) -> pd.DataFrame:
+    """`summarise` of a block of whole ranks in (rank, step) order, every row with a rank and a step: the
+    same frame (NaN left out of the medians, maxima and last values as pandas leaves it)."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow as pa
+
+    from ciuic_doctor.analysis.stats.grouped import grouped_median
+    from ciuic_doctor.rundir.frames import float_values, whole_values
+    from ciuic_doctor.rundir.frames.assemble import plain_strings
+
+    rank = whole_values(block["rank"])[0]
+    if not len(rank):
+        return summarise(plain_strings(block).to_pandas(split_blocks=True))
+    new = np.r_[True, rank[1:] != rank[:-1]]
+    starts, group = np.flatnonzero(new), np.cumsum(new) - 1
+    rows = np.arange(len(rank))
+
+    def last(valid: np.ndarray) -> np.ndarray:  # each rank's last row where `valid`, -1 where none
+        return np.maximum.reduceat(np.where(valid, rows, -1), starts)
+
+    def flags(column: pa.ChunkedArray) -> np.ndarray:
+        return column.to_numpy(zero_copy_only=False).astype(bool)
+
+    host_at = last(flags(block["host"].is_valid()))
+    hosts = plain_strings(block.select(["host"]))["host"].take(pa.array(np.maximum(host_at, 0))).to_pylist()
+    step_ms = float_values(block["step_time_s"]) * 1e3
+    timed = ~np.isnan(step_ms)
+    loss = float_values(block["loss"])
+    loss_at = last(~np.isnan(loss))
+    hosts = [h if at >= 0 else None for h, at in zip(hosts, host_at, strict=True)]
+    skipped = flags(block["skipped"].fill_null(False)).astype(np.int64)
+    return pd.DataFrame(
+        {
+            "rank": rank[starts].astype(np.int64),
+            "host": pd.array(hosts, dtype="str"),
+            "steps": np.add.reduceat(flags(block["step"].is_valid()).astype(np.int64), starts),
+            "median_step_ms": grouped_median(group[timed], step_ms[timed], len(starts)),
+            "max_step_ms": np.fmax.reduceat(step_ms, starts),
+            "last_loss": np.where(loss_at >= 0, loss[np.maximum(loss_at, 0)], np.nan),
+            "skipped_steps": np.add.reduceat(skipped, starts),
+            "peak_rss_bytes": np.fmax.reduceat(float_values(block["rss"]), starts),
+        }
+    )
 
 
 def summarise(frame: pd.DataFrame) -> pd.DataFrame:

@@ -124,8 +124,12 @@ class StepTable:
         from ciuic_doctor.rundir.frames import float_values
 
         ranks, steps = self._axes
-        grid = np.full((len(ranks), len(steps)), np.nan)
         values = self.table[column]
+        if self._full and values.null_count < len(values):  # row i is (ranks[i // steps], steps[i % steps])
+            grid = np.array(float_values(values), dtype=float).reshape(len(ranks), len(steps))  # a copy
+            grid[~np.isfinite(grid)] = np.nan
+            return ranks, steps, grid
+        grid = np.full((len(ranks), len(steps)), np.nan)
         if values.null_count == len(values):
             return ranks, steps, grid
         for start, rank, step, valid in self._blocks():
@@ -134,6 +138,24 @@ class StepTable:
             grid[places(ranks, rank[keep]), places(steps, step[keep])] = block[keep]
         grid[~np.isfinite(grid)] = np.nan
         return ranks, steps, grid
+
+    @cached_property
+    def _full(self) -> bool:
+        """Whether the rows are the whole ranks × steps grid in its order, once each (every rank recorded
+        every step, the per-rank files in rank order): a grid is then the column itself, reshaped, where
+        it was scattered into place a block at a time (0.3 s a column at 10,000 ranks × 1,000 steps)."""
+        import numpy as np
+
+        ranks, steps = self._axes
+        if not len(steps) or self.rows != len(ranks) * len(steps):
+            return False
+        for start, rank, step, valid in self._blocks():
+            at = np.arange(start, start + len(rank))
+            if valid is not None or not (
+                np.array_equal(rank, ranks[at // len(steps)]) and np.array_equal(step, steps[at % len(steps)])
+            ):
+                return False
+        return True
 
     # ---- per-rank table ---------------------------------------------------------------------------
     @cached_property

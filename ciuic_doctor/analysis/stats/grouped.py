@@ -32,6 +32,25 @@ def in_order(*keys: np.ndarray) -> bool:
     return bool(ordered.all())
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """np.unique of whole numbers; by a count over their range when it is narrow (a block's ranks and
+    steps: np.unique's hash took 0.5 s of the steps analysis at 3,000 ranks × 1,000 steps, and its sort
+    0.38 s of the page's step axes at 10,000 ranks).
+
+    >>> import numpy as np
+    >>> distinct(np.array([7, 3, 3, 5])).tolist(), distinct(np.array([10**12, 1])).tolist()
+    ([3, 5, 7], [1, 1000000000000])
+    """
+    import numpy as np
+
+    if not len(values):
+        return values
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * len(values) + 1024:
+        return np.unique(values)
+    return np.flatnonzero(np.bincount(values - lo)) + lo
+
+
 def places(axis: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Where each of `values` sits on `axis` (sorted, unique); a value not on it gets some place in range
     whose axis value differs from it (a caller that may hold such values checks `axis[place] == value`).

@@ -80,29 +80,18 @@ def _keys(part: pyarrow.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return rank, step, np.logical_and.reduce(known) if known else np.ones(len(rank), bool)
 
 
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """np.unique of whole numbers; by a count over their range when it is narrow (a block's ranks and
-    steps: np.unique's hash took 0.5 s of the steps analysis at 3,000 ranks × 1,000 steps)."""
-    import numpy as np
-
-    if not len(values):
-        return values
-    lo, hi = int(values.min()), int(values.max())
-    if hi - lo > 4 * len(values) + 1024:
-        return np.unique(values)
-    return np.flatnonzero(np.bincount(values - lo)) + lo
-
-
 def _ids(table: pyarrow.Table, warmup_steps: int, min_steady_steps: int) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, steps) of the matrix, sorted: the steady steps (or all), the ranks that have a row there."""
     import numpy as np
 
+    from ciuic_doctor.analysis.stats.grouped import distinct
+
     steps, ranks, steady_ranks = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for _, part in _blocks(table):
         rank, step, ok = _keys(part)
-        steps.append(_distinct(step[ok]))
-        ranks.append(_distinct(rank[ok]))
-        steady_ranks.append(_distinct(rank[ok & (step > warmup_steps)]))
+        steps.append(distinct(step[ok]))
+        ranks.append(distinct(rank[ok]))
+        steady_ranks.append(distinct(rank[ok & (step > warmup_steps)]))
     all_steps = np.unique(np.concatenate(steps))
     steady = all_steps[all_steps > warmup_steps]
     if len(steady) >= min_steady_steps:

@@ -28,6 +28,7 @@ COLUMNS = ("t", "pid", "role", "rss", "uss")
 PLOT_PROCESSES = 12  # lines the plot draws (sorted by name), as plots.memwatch_plot did
 TABLE_ROWS = 16
 BLOCK_ROWS = 1 << 18  # samples summarised at a time: 2 MiB a float column, ~10 MiB of temporaries
+ROW_SPAN = 1 << 31  # above any row number: a place × ROW_SPAN + row orders by place and keeps the row
 
 
 class MemwatchSamples(list):
@@ -109,8 +110,14 @@ def _summaries(
 
     from ciuic_doctor.rundir.frames import float_values
 
+    def order(at: np.ndarray) -> np.ndarray:
+        """What orders rows `at` as the stream does: the row number, or (rows not in the stream's order) the
+        place, with the row below it (`% ROW_SPAN` gives it back; no job-wide inverse of the places)."""
+        return at if places is None else places[at].astype(np.int64) * ROW_SPAN + at
+
     count = len(names)
-    first, last, last_uss = np.full(count, len(codes)), np.full(count, -1), np.full(count, -1)
+    first = np.full(count, np.iinfo(np.int64).max)
+    last, last_uss = np.full(count, -1), np.full(count, -1)
     peak = np.full(count, -np.inf)
     for start in range(0, len(codes), BLOCK_ROWS):
         group = codes[start : start + BLOCK_ROWS]
@@ -118,20 +125,15 @@ def _summaries(
         at = np.flatnonzero(~np.isnan(rss))
         np.maximum.at(peak, group[at], rss[at])
         at += start
-        place = at if places is None else places[at].astype(np.int64)  # ufunc.at's fast path: one dtype
-        np.minimum.at(first, codes[at], place)
-        np.maximum.at(last, codes[at], place)
+        np.minimum.at(first, codes[at], order(at))
+        np.maximum.at(last, codes[at], order(at))
         uss = float_values(table["uss"].slice(start, len(group)))
         at = np.flatnonzero(~np.isnan(uss)) + start
-        np.maximum.at(last_uss, codes[at], at if places is None else places[at].astype(np.int64))
+        np.maximum.at(last_uss, codes[at], order(at))
     has = last >= 0
     first = np.where(has, first, -1)
-    if places is not None:  # back from places in the stream to rows of the table
-        row_at = np.empty(len(places), np.int64)
-        row_at[places] = np.arange(len(places))
-        first, last, last_uss = (
-            np.where(place >= 0, row_at[np.maximum(place, 0)], -1) for place in (first, last, last_uss)
-        )
+    if places is not None:  # the rows below the places
+        first, last, last_uss = (np.where(key >= 0, key % ROW_SPAN, -1) for key in (first, last, last_uss))
     figures = {
         "samples": np.bincount(codes, minlength=count).tolist(),
         "first_rss": _at(table["rss"], first).tolist(),

@@ -71,14 +71,13 @@ class TableRead:
         >>> read.in_stream_order().table["t"].to_pylist()
         [1.0, 2.0, 3.0]
         """
-        import numpy as np
         import pyarrow as pa
+
+        from ciuic_doctor.rundir.columnar.read import _inverse
 
         if self.stream_rows is None:
             return self
-        order = np.empty(len(self.stream_rows), np.int64)
-        order[self.stream_rows] = np.arange(len(self.stream_rows))
-        taken = self.table.take(pa.array(order))
+        taken = self.table.take(pa.array(_inverse(self.stream_rows, len(self.stream_rows))))
         table = pa.table({name: taken[name].combine_chunks() for name in taken.column_names})
         return replace(self, table=table, stream_rows=None)
 

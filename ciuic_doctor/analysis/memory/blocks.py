@@ -202,18 +202,10 @@ def in_blocks(
     joined in rank order; one call for a smaller job. `slim`: what of a block's result `join` does not
     read is dropped where the block ran, before it is pickled back (a fit's points: 24 MB a block).
     A pass that `run_ahead` made already is joined from its blocks' results."""
-    if (made := getattr(data, "made_ahead", {}).pop(_pass_key(make), None)) is not None:
+    if (made := data.made_ahead.pop(_pass_key(make), None)) is not None:
         return join(made)
-    ranks = data.ranks()
-    size = block_size(len(ranks), width())
-    if len(ranks) <= size:
-        return make(data)
-    blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
-    run = make if slim is None else partial(_slimmed, make, slim)
-    # a block's `_DataBlock` is made where it runs (its converted columns die with it); forked workers
-    # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
-    remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
-    return join(map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote))
+    results = _each_block(data, ((make, slim),))
+    return make(data) if results is None else join([passes[0] for passes in results])
 
 
 Pass = tuple[Callable[[Any], Any], Callable[[Any], Any] | None]  # (make, slim), as `in_blocks` takes them
@@ -224,18 +216,29 @@ def run_ahead(data: _Data, passes: Sequence[Pass]) -> None:
     runs; each pass's block results are kept on `data` for its `in_blocks`. Five maps one after the other
     left a worker idle at the end of each (one block ahead of the other) and both idle while this process
     joined one pass and sent the next: ~0.6 s of 9 at 10,000 ranks on 2 cores."""
+    results = _each_block(data, tuple(passes))
+    if results is not None:  # else one call per pass, on the whole job, made when asked
+        data.made_ahead = {_pass_key(make): [r[k] for r in results] for k, (make, _) in enumerate(passes)}
+
+
+def _each_block(data: _Data, passes: tuple[Pass, ...]) -> list[tuple] | None:
+    """`passes` over every block of the job's ranks (`_every_pass`), in block order; None for a job of
+    one block."""
     ranks = data.ranks()
     size = block_size(len(ranks), width())
-    if len(ranks) <= size:  # one call per pass, made when asked
-        return
+    if len(ranks) <= size:
+        return None
     blocks = [tuple(ranks[i : i + size]) for i in range(0, len(ranks), size)]
-    run = partial(_every_pass, tuple(passes))
+    run = partial(_every_pass, passes)
+    # a block's `_DataBlock` is made where it runs (its converted columns die with it); forked workers
+    # read `data` as this process holds it, a Dask worker gets the block's arrays (`_PackedBlock`)
     remote = Remote(apply=run, payload=lambda b: _block_of(data, b).packed(), owner=data, local=_block_of)
-    results = map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote)
-    data.made_ahead = {_pass_key(make): [r[k] for r in results] for k, (make, _) in enumerate(passes)}
+    return map_blocks(lambda b: run(_block_of(data, b)), blocks, remote=remote)
 
 
 def _every_pass(passes: tuple[Pass, ...], block: Any) -> tuple:
+    """Each pass's result over `block` (slimmed where it ran), the block's converted columns let go
+    between two passes."""
     out = []
     for make, slim in passes:
         out.append(make(block) if slim is None else slim(make(block)))
@@ -253,7 +256,3 @@ def _pass_key(make: Callable[[Any], Any]) -> Any:
 
 def _block_of(data: _Data, ranks: tuple[int, ...]) -> _DataBlock:
     return _DataBlock(data, list(ranks))
-
-
-def _slimmed(make: Callable[[Any], T], slim: Callable[[T], T], block: Any) -> T:
-    return slim(make(block))
